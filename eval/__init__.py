@@ -1,0 +1,1 @@
+"""FlexiCache evaluation and benchmarks (installed as `fc_hf.eval`)."""

@@ -1,0 +1,86 @@
+"""`FlexiCacheConfig`: the knobs of the algorithm, validated once."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+PROMOTION_MODES = ("sync", "deferred")
+
+
+@dataclass
+class FlexiCacheConfig:
+    """Configuration of a `FlexiCache`.
+
+    Args:
+        page_size (`int`, *optional*, defaults to 16): tokens per KV page.
+        token_budget (`int`, *optional*, defaults to 1024): tokens each head attends to at decode
+            (K = token_budget // page_size pages, the page being filled included).
+        rerank_interval (`int`, *optional*, defaults to 16): stable heads are re-ranked at the first
+            decode step and whenever `step % rerank_interval == 0`.
+        unstable_fraction (`float`, *optional*, defaults to 0.25): share of KV heads a profile marks
+            unstable; informational when a profile is given (the profile's set is used as is).
+        offload (`bool`, *optional*, defaults to True): keep only the top-K pages of stable heads on the
+            device and every full page in host memory. False keeps everything on the device (one tier).
+        dense_layers (`tuple[int, ...]`, *optional*, defaults to ()): layers kept dense (Quest keeps 0 and 1).
+        max_device_pages (`int`, *optional*): bound on device page slots over all layers; a prefill that
+            would exceed it raises before anything is written.
+        promotion (`str`, *optional*, defaults to "sync"): "sync" applies a stable re-rank in the step
+            that computes it; "deferred" applies it one step later so the host->device copies can overlap
+            the rest of the step (the authors' vLLM behaviour).
+        unstable_rerank_interval (`int`, *optional*, defaults to 1): re-rank interval of unstable heads.
+        streaming_heads (`tuple`, *optional*): (layer, kv_head) pairs that attend only to sink + recent
+            pages (the LServe-like baseline); `streaming_sink_pages` and the budget set their window.
+        streaming_sink_pages (`int`, *optional*, defaults to 1): sink pages of streaming heads.
+        backend (`str`, *optional*): "torch" or "triton" forces a kernel backend; None picks by device.
+    """
+
+    page_size: int = 16
+    token_budget: int = 1024
+    rerank_interval: int = 16
+    unstable_fraction: float = 0.25
+    offload: bool = True
+    dense_layers: tuple[int, ...] = ()
+    max_device_pages: int | None = None
+    promotion: str = "sync"
+    unstable_rerank_interval: int = 1
+    streaming_heads: tuple = field(default_factory=tuple)
+    streaming_sink_pages: int = 1
+    backend: str | None = None
+
+    def __post_init__(self):
+        def positive_int(name, value):
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"FlexiCacheConfig.{name} must be a positive integer, got {value!r}.")
+
+        positive_int("page_size", self.page_size)
+        positive_int("token_budget", self.token_budget)
+        positive_int("rerank_interval", self.rerank_interval)
+        positive_int("unstable_rerank_interval", self.unstable_rerank_interval)
+        if self.token_budget % self.page_size != 0:
+            raise ValueError(
+                f"FlexiCacheConfig.token_budget ({self.token_budget}) must be a multiple of page_size "
+                f"({self.page_size}); try token_budget={max(2, round(self.token_budget / self.page_size)) * self.page_size}."
+            )
+        if self.token_budget // self.page_size < 2:
+            raise ValueError(
+                f"FlexiCacheConfig.token_budget ({self.token_budget}) must cover at least 2 pages of "
+                f"{self.page_size} tokens (the page being filled plus one ranked page); use >= {2 * self.page_size}."
+            )
+        if not (0.0 <= float(self.unstable_fraction) <= 1.0):
+            raise ValueError(f"FlexiCacheConfig.unstable_fraction must lie in [0, 1], got {self.unstable_fraction!r}.")
+        if self.promotion not in PROMOTION_MODES:
+            raise ValueError(f"FlexiCacheConfig.promotion must be one of {PROMOTION_MODES}, got {self.promotion!r}.")
+        if self.max_device_pages is not None:
+            positive_int("max_device_pages", self.max_device_pages)
+        if self.backend not in (None, "torch", "triton"):
+            raise ValueError(f"FlexiCacheConfig.backend must be None, 'torch' or 'triton', got {self.backend!r}.")
+        positive_int("streaming_sink_pages", self.streaming_sink_pages)
+        if self.streaming_heads and self.streaming_sink_pages >= self.pages_per_head:
+            raise ValueError("FlexiCacheConfig.streaming_sink_pages must be smaller than token_budget // page_size.")
+        self.dense_layers = tuple(int(x) for x in self.dense_layers)
+        self.streaming_heads = tuple((int(a), int(b)) for a, b in self.streaming_heads)
+
+    @property
+    def pages_per_head(self) -> int:
+        """K: pages each head attends to (the page being filled takes one of them)."""
+        return self.token_budget // self.page_size

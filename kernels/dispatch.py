@@ -1,0 +1,60 @@
+"""Choose the Triton kernel or the PyTorch reference for each call."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from . import reference
+
+_VALID = ("auto", "torch", "triton")
+
+
+def backend_for(tensor: torch.Tensor, forced: str | None = None) -> str:
+    """'triton' for CUDA tensors when Triton is importable, else 'torch'; `forced` or $FLEXICACHE_BACKEND override."""
+    choice = forced or os.environ.get("FLEXICACHE_BACKEND", "auto")
+    if choice not in _VALID:
+        raise ValueError(f"FLEXICACHE_BACKEND must be one of {_VALID}, got {choice!r}")
+    if choice == "auto":
+        return "triton" if tensor.is_cuda and _triton_available() else "torch"
+    return choice
+
+
+def _triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def score_pages(query, meta, num_pages, page_valid=None, backend=None):
+    if backend_for(query, backend) == "triton":
+        from .score import score_pages_triton
+
+        return score_pages_triton(query, meta, num_pages, page_valid)
+    return reference.score_pages(query, meta, num_pages, page_valid)
+
+
+def select_topk(scores, k, backend=None):
+    # torch.topk is used on every backend (see the kernels issue notes for its measured cost).
+    return reference.select_topk(scores, k)
+
+
+def sparse_decode_attention(
+    query, k_pool, v_pool, slots, page_idx, seq_len, scaling, token_valid=None, rows_per_batch=1, softcap=None, backend=None
+):
+    if backend_for(query, backend) == "triton":
+        from .decode import sparse_decode_attention_triton
+
+        return sparse_decode_attention_triton(
+            query, k_pool, v_pool, slots, page_idx, seq_len, scaling, token_valid, rows_per_batch, softcap
+        )
+    return reference.sparse_decode_attention(
+        query, k_pool, v_pool, slots, page_idx, seq_len, scaling, token_valid, rows_per_batch, softcap
+    )
+
+
+def promotion_plan(old_pages, old_slots, new_pages, backend=None):
+    return reference.promotion_plan(old_pages, old_slots, new_pages)

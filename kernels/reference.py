@@ -1,0 +1,222 @@
+"""Pure-PyTorch reference implementations of FlexiCache's kernels.
+
+These are the CPU path *and* the ground truth the Triton kernels are tested against. They are
+written for clarity first, but without Python loops over heads or pages: every function works on
+all rows (one row = one (sequence, KV head) pair) at once.
+
+Shapes used throughout:
+    N  rows = batch * KV heads of one head group
+    G  query heads per KV head (GQA group size)
+    D  head_dim
+    S  slots in a page pool (slot 0 is the shared, all-zero null block)
+    P  tokens per page
+"""
+
+from __future__ import annotations
+
+import torch
+
+NEG_INF = float("-inf")
+POS_INF = float("inf")
+
+
+def pack_minmax(kmax: torch.Tensor, kmin: torch.Tensor) -> torch.Tensor:
+    """Interleave page max/min keys as one `[..., 2D]` tensor so scoring is one matmul."""
+    return torch.cat([kmax, kmin], dim=-1)
+
+
+def score_pages(
+    query: torch.Tensor,
+    meta: torch.Tensor,
+    num_pages: int,
+    page_valid: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Quest upper bound of `q . k` over each page, max-reduced over each GQA group.
+
+    `max(q_i*kmin_i, q_i*kmax_i)` summed over channels equals `relu(q).kmax + min(q,0).kmin`, which
+    is one matmul against the packed metadata. Scores are computed in fp32. The last page (the one
+    being filled) is forced in with +inf; pages marked invalid (all padding) get -inf.
+
+    Args:
+        query (`torch.Tensor` of shape `[N, G, D]`): decode queries, one row per (sequence, KV head).
+        meta (`torch.Tensor` of shape `[N, Pcap, 2D]`): packed `[kmax, kmin]` per page; only the first
+            `num_pages` pages are read.
+        num_pages (`int`): pages that exist (the last one may be partially filled).
+        page_valid (`torch.Tensor` of shape `[N, num_pages]`, *optional*): False for pages that hold
+            no attendable token.
+
+    Returns:
+        `torch.Tensor` of shape `[N, num_pages]`, fp32.
+    """
+    q = query.float()
+    q2 = torch.cat([q.clamp(min=0), q.clamp(max=0)], dim=-1)  # [N, G, 2D]
+    m = meta[:, :num_pages].float()  # [N, Np, 2D]
+    scores = torch.matmul(q2, m.transpose(1, 2)).amax(dim=1)  # [N, Np]
+    if page_valid is not None:
+        scores = scores.masked_fill(~page_valid, NEG_INF)
+    scores[:, num_pages - 1] = POS_INF
+    return scores
+
+
+def score_pages_bruteforce(query: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor) -> torch.Tensor:
+    """The literal formula `sum_i max(q_i*kmin_i, q_i*kmax_i)`, max over the group. `[N,G,D]`,`[N,Np,D]` -> `[N,Np]`.
+
+    No forcing, no masking: for tests only.
+    """
+    q = query.float()[:, :, None, :]  # [N, G, 1, D]
+    lo = q * kmin.float()[:, None]
+    hi = q * kmax.float()[:, None]
+    return torch.maximum(lo, hi).sum(-1).amax(dim=1)
+
+
+def select_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the top-`k` pages per row (all pages when there are at most `k`). `[N, Np]` -> `[N, min(k, Np)]`."""
+    num_pages = scores.shape[-1]
+    if num_pages <= k:
+        return torch.arange(num_pages, device=scores.device).expand(scores.shape[0], num_pages).contiguous()
+    return torch.topk(scores, k, dim=-1, sorted=False).indices
+
+
+def token_mask(
+    page_idx: torch.Tensor,
+    page_size: int,
+    seq_len: int,
+    token_valid: torch.Tensor | None,
+    rows_per_batch: int,
+) -> torch.Tensor:
+    """Which gathered tokens may be attended: inside the sequence, on a real page, not padding.
+
+    Args:
+        page_idx (`torch.Tensor` of shape `[N, M]`): logical page per selected entry, -1 for unused entries.
+        page_size (`int`): tokens per page.
+        seq_len (`int`): logical length of every sequence in the batch.
+        token_valid (`torch.Tensor` of shape `[B, L]`, *optional*): padding mask, True = attend.
+        rows_per_batch (`int`): rows per sequence (KV heads in the group); row n belongs to sequence n // rows_per_batch.
+
+    Returns:
+        `torch.Tensor` of shape `[N, M * page_size]`, bool.
+    """
+    n, m = page_idx.shape
+    pos = page_idx[:, :, None] * page_size + torch.arange(page_size, device=page_idx.device)
+    pos = pos.reshape(n, m * page_size)
+    ok = (pos >= 0) & (pos < seq_len) & (page_idx >= 0).repeat_interleave(page_size, dim=1)
+    if token_valid is not None:
+        batch = torch.arange(n, device=page_idx.device) // rows_per_batch
+        tv = token_valid[batch]  # [N, L]
+        ok &= tv.gather(1, pos.clamp(0, tv.shape[1] - 1))
+    return ok
+
+
+def sparse_decode_attention(
+    query: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    slots: torch.Tensor,
+    page_idx: torch.Tensor,
+    seq_len: int,
+    scaling: float,
+    token_valid: torch.Tensor | None = None,
+    rows_per_batch: int = 1,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """Decode attention of each row's query heads over the tokens of its selected pages.
+
+    One `index_select` gathers the pages of all rows at once; the GQA group's query heads are
+    packed as rows of one batched matmul. Softmax runs in fp32 over exactly the attendable tokens.
+
+    Args:
+        query (`torch.Tensor` of shape `[N, G, D]`): one decode query per query head.
+        k_pool, v_pool (`torch.Tensor` of shape `[S, P, D]`): page pools.
+        slots (`torch.Tensor` of shape `[N, M]`): pool slot of each selected page (0 = null block).
+        page_idx (`torch.Tensor` of shape `[N, M]`): logical index of each selected page, -1 = unused entry.
+        seq_len (`int`): logical sequence length (tokens at positions >= seq_len are masked).
+        scaling (`float`): the model's softmax scale.
+        token_valid (`torch.Tensor` of shape `[B, L]`, *optional*): padding mask, True = attend.
+        rows_per_batch (`int`): rows per sequence, to map a row to its padding-mask row.
+        softcap (`float`, *optional*): logit soft-capping (Gemma-2 style), `tanh(s / c) * c`.
+
+    Returns:
+        `torch.Tensor` of shape `[N, G, D]` in the query's dtype.
+    """
+    n, m = slots.shape
+    page_size, dim = k_pool.shape[1], k_pool.shape[2]
+    flat = slots.reshape(-1)
+    keys = k_pool.index_select(0, flat).view(n, m * page_size, dim)
+    values = v_pool.index_select(0, flat).view(n, m * page_size, v_pool.shape[2])
+    logits = torch.matmul(query.to(keys.dtype), keys.transpose(1, 2)).float() * scaling  # [N, G, M*P]
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
+    ok = token_mask(page_idx, page_size, seq_len, token_valid, rows_per_batch)
+    logits = logits.masked_fill(~ok[:, None, :], NEG_INF)
+    probs = torch.softmax(logits, dim=-1)
+    # A row with no attendable token (fully padded sequence) gets zeros, not NaN.
+    probs = torch.nan_to_num(probs, nan=0.0)
+    out = torch.matmul(probs.to(values.dtype), values)
+    return out.to(query.dtype)
+
+
+def dense_attention_bruteforce(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    allowed: torch.Tensor,
+    scaling: float,
+) -> torch.Tensor:
+    """Dense attention over `[N, L, D]` keys with a `[N, L]` boolean mask; for tests. Returns `[N, G, D]` (fp32)."""
+    logits = torch.einsum("ngd,nld->ngl", query.double(), keys.double()) * scaling
+    logits = logits.masked_fill(~allowed[:, None, :], NEG_INF)
+    probs = torch.nan_to_num(torch.softmax(logits, dim=-1), nan=0.0)
+    return torch.einsum("ngl,nld->ngd", probs, values.double()).float()
+
+
+def promotion_plan(
+    old_pages: torch.Tensor,
+    old_slots: torch.Tensor,
+    new_pages: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The "swap map" of a re-rank: which resident pages stay, which are promoted and into which slot.
+
+    Every row keeps the resident pages that are still selected; each promoted page takes the slot
+    of one evicted page of the same row (no allocation); evicted slots left over are freed. Rows
+    must have at least as many resident pages as newly selected ones (true for FlexiCache: between
+    re-ranks a stable head only gains pages).
+
+    Args:
+        old_pages (`torch.Tensor` of shape `[N, R]`): resident logical pages per row, -1 = empty entry.
+        old_slots (`torch.Tensor` of shape `[N, R]`): their device slots (ignored where old_pages is -1).
+        new_pages (`torch.Tensor` of shape `[N, K]`): newly selected pages per row, -1 = empty entry.
+
+    Returns:
+        (new_slots, promo_rows, promo_pages, promo_slots, freed_slots):
+        `new_slots [N, K]` the device slot of every new page (0 for empty entries);
+        `promo_rows, promo_pages, promo_slots [C]` the host->device copy list;
+        `freed_slots [F]` device slots no longer used.
+    """
+    n, r = old_pages.shape
+    k = new_pages.shape[1]
+    device = old_pages.device
+    # kept[n, j]: old entry j is still selected; hit[n, i]: new entry i is already resident.
+    eq = (old_pages[:, :, None] == new_pages[:, None, :]) & (old_pages[:, :, None] >= 0)
+    kept = eq.any(dim=2)
+    hit = eq.any(dim=1)
+    hit_slot = (eq.long() * old_slots[:, :, None]).sum(dim=1)  # slot of the matching old entry
+    promoted = (~hit) & (new_pages >= 0)
+    evicted = (~kept) & (old_pages >= 0)
+    # The c-th promoted page of a row takes the c-th evicted slot of that row.
+    promo_rank = torch.cumsum(promoted.long(), dim=1) - 1
+    evict_rank = torch.cumsum(evicted.long(), dim=1) - 1
+    n_promo = promoted.sum(1)
+    if bool((n_promo > evicted.sum(1)).any()):
+        raise RuntimeError("promotion_plan: a row selects more new pages than it can evict")
+    # Table of evicted slots per row, in order: [N, R], unused entries 0.
+    evict_tab = torch.zeros(n, r, dtype=old_slots.dtype, device=device)
+    rows_e, cols_e = evicted.nonzero(as_tuple=True)
+    evict_tab[rows_e, evict_rank[rows_e, cols_e]] = old_slots[rows_e, cols_e]
+    rows_p, cols_p = promoted.nonzero(as_tuple=True)
+    promo_slots = evict_tab[rows_p, promo_rank[rows_p, cols_p]]
+    new_slots = torch.where(hit, hit_slot, torch.zeros_like(hit_slot))
+    new_slots[rows_p, cols_p] = promo_slots
+    # Evicted slots beyond the number of promotions in the row are freed.
+    free_mask = evicted & (evict_rank >= n_promo[:, None])
+    freed = old_slots[free_mask]
+    return new_slots, rows_p, new_pages[rows_p, cols_p], promo_slots, freed
