@@ -1,0 +1,60 @@
+"""FlexiCache's attention function, registered under the name "flexicache".
+
+Prefill (and layers FlexiCache does not manage: sliding-window and dense layers) goes to
+transformers' own sdpa attention. A decode step of a FlexiCache layer arrives with the layer's
+placeholder K/V (see `layer.py`); the layer then scores, selects and attends sparsely.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from .layer import DecodePlaceholder
+
+NAME = "flexicache"
+
+
+def flexicache_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """Attention with transformers' standard signature.
+
+    Args:
+        module (`torch.nn.Module`): the attention module (`layer_idx`, `num_key_value_groups`, `scaling`).
+        query (`torch.Tensor` of shape `[B, Hq, T, D]`): queries after RoPE.
+        key, value (`torch.Tensor` of shape `[B, Hkv, L, D]`): what the cache returned; a FlexiCache
+            decode placeholder at decode steps.
+        attention_mask (`torch.Tensor`, *optional*): the sdpa boolean mask `[B, 1, T, L]` (None without padding).
+        dropout (`float`, *optional*, defaults to 0.0): only used by the dense path.
+        scaling (`float`, *optional*): softmax scale; defaults to `module.scaling` or `D**-0.5`.
+
+    Returns:
+        `(attn_output [B, T, Hq, D], None)`.
+    """
+    if isinstance(key, DecodePlaceholder):
+        if scaling is None:
+            scaling = getattr(module, "scaling", query.shape[-1] ** -0.5)
+        out = key.fc_layer.attend(query, attention_mask, scaling, kwargs.get("softcap"))
+        return out, None
+    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+
+
+def register() -> str:
+    """Register FlexiCache's attention and mask functions under "flexicache" (idempotent); returns the name.
+
+    Touches nothing else: models not asked for `attn_implementation="flexicache"` are unaffected.
+    """
+    AttentionInterface.register(NAME, flexicache_attention_forward)
+    # Without a mask function transformers builds no mask at all, and left padding would be ignored.
+    AttentionMaskInterface.register(NAME, sdpa_mask)
+    return NAME

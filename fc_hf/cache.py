@@ -1,0 +1,210 @@
+"""`FlexiCache`: a transformers `Cache` whose full-attention layers are FlexiCache layers."""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import torch
+from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLayer
+
+from .config import FlexiCacheConfig
+from .errors import FlexiCacheError
+from .layer import FlexiCacheLayer
+from .profile import HeadProfile, attention_shape
+
+logger = logging.getLogger("fc_hf")
+
+_FULL = ("full_attention",)
+_SLIDING = ("sliding_attention", "chunked_attention")
+
+
+def _layer_types(text_config) -> list[str]:
+    n = text_config.num_hidden_layers
+    types = getattr(text_config, "layer_types", None)
+    if types is None:
+        window = getattr(text_config, "sliding_window", None)
+        if getattr(text_config, "use_sliding_window", True) is False:
+            window = None
+        types = ["sliding_attention" if window is not None else "full_attention"] * n
+    return list(types)
+
+
+class FlexiCache(Cache):
+    """Stability-aware sparse KV cache with a host tier for stable heads (see SPEC.md §2).
+
+    Args:
+        config (`PretrainedConfig`): the model's config (its text config is used).
+        cache_config (`FlexiCacheConfig`, *optional*): algorithm settings; defaults to `FlexiCacheConfig()`.
+        profile (`HeadProfile`, *optional*): unstable (layer, kv_head) pairs. None treats every head as
+            unstable (Quest: every head re-ranked every step, everything on the device).
+
+    Example:
+        >>> from fc_hf import FlexiCache, FlexiCacheConfig, register
+        >>> register()
+        >>> model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="flexicache")
+        >>> cache = FlexiCache(model.config, FlexiCacheConfig(token_budget=1024))
+        >>> out = model.generate(**inputs, past_key_values=cache, max_new_tokens=64)
+    """
+
+    def __init__(self, config, cache_config: FlexiCacheConfig | None = None, profile: HeadProfile | None = None):
+        cfg = cache_config or FlexiCacheConfig()
+        if not isinstance(cfg, FlexiCacheConfig):
+            raise TypeError(f"cache_config must be a FlexiCacheConfig, got {type(cfg).__name__}.")
+        text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+        num_layers, num_kv_heads, _ = attention_shape(text)
+        if profile is None:
+            unstable = {(l, h) for l in range(num_layers) for h in range(num_kv_heads)}
+            logger.info("FlexiCache: no head profile given, every head is treated as unstable (Quest behaviour).")
+        else:
+            if not isinstance(profile, HeadProfile):
+                raise TypeError(f"profile must be a HeadProfile or None, got {type(profile).__name__}.")
+            profile.check(text)
+            unstable = profile.unstable
+        for l, h in cfg.streaming_heads:
+            if not (0 <= l < num_layers and 0 <= h < num_kv_heads):
+                raise ValueError(f"streaming head {(l, h)} is outside the model's {num_layers}x{num_kv_heads} KV heads.")
+        bad_dense = [l for l in cfg.dense_layers if not 0 <= l < num_layers]
+        if bad_dense:
+            raise ValueError(f"dense_layers {bad_dense} are outside the model's {num_layers} layers.")
+
+        self.cache_config = cfg
+        self.profile = profile
+        self.timings: dict | None = None
+        self.check_residency = True
+        self._mask_memo = None
+        layers = []
+        for idx, kind in enumerate(_layer_types(text)):
+            if kind in _SLIDING:
+                window = getattr(text, "sliding_window", None) or getattr(text, "attention_chunk_size", None)
+                layers.append(DynamicSlidingWindowLayer(sliding_window=window))
+            elif kind in _FULL and idx in cfg.dense_layers:
+                layers.append(DynamicLayer())
+            elif kind in _FULL:
+                layers.append(
+                    FlexiCacheLayer(
+                        idx,
+                        num_kv_heads,
+                        cfg,
+                        unstable={h for l, h in unstable if l == idx},
+                        streaming={h for l, h in cfg.streaming_heads if l == idx},
+                        owner=self,
+                    )
+                )
+            else:
+                raise FlexiCacheError(
+                    f"Layer {idx} of {type(text).__name__} has type {kind!r}; FlexiCache supports full and "
+                    "sliding-window attention layers only. Use DynamicCache for this model."
+                )
+        super().__init__(layers=layers)
+        if not self.flexi_layers:
+            logger.warning("FlexiCache: this model has no full-attention layers; it behaves like DynamicCache.")
+
+    # -- transformers Cache API ------------------------------------------------------------------
+    def update(self, key_states, value_states, layer_idx: int, cache_kwargs=None, *args, **kwargs):
+        layer = self.layers[layer_idx]
+        if isinstance(layer, FlexiCacheLayer) and layer.length == 0 and layer is self.flexi_layers[0]:
+            self._check_device_bound(key_states)
+        return super().update(key_states, value_states, layer_idx)
+
+    @property
+    def flexi_layers(self) -> list[FlexiCacheLayer]:
+        return [l for l in self.layers if isinstance(l, FlexiCacheLayer)]
+
+    def _check_device_bound(self, key_states: torch.Tensor) -> None:
+        """Refuse a prefill that would exceed `max_device_pages` before anything is written."""
+        bound = self.cache_config.max_device_pages
+        if bound is None:
+            return
+        b, _, t, _ = key_states.shape
+        pages = math.ceil(t / self.cache_config.page_size)
+        needed = sum(pages * b * l.num_kv_heads for l in self.flexi_layers)
+        if needed > bound:
+            raise FlexiCacheError(
+                f"This prefill needs {needed} device pages ({b} sequences x {t} tokens) but max_device_pages={bound}. "
+                "Raise max_device_pages, shorten the prompt, or use a smaller batch. The cache is still empty."
+            )
+
+    def attn_implementation_hint(self) -> str:
+        return "not 'flexicache'"
+
+    # -- padding information shared by all layers of one step ------------------------------------
+    def padding_info(self, attention_mask, length: int, page_size: int):
+        """`(token_valid [B, L] | None, page_valid [B, Np] | None)` from the decode mask, computed once per step."""
+        if attention_mask is None:
+            return None, None
+        memo = self._mask_memo
+        if memo is not None and memo[0] is attention_mask and memo[1] == length:
+            return memo[2], memo[3]
+        m = attention_mask
+        if m.dim() == 4:
+            m = m[:, 0, -1, :]
+        token_valid = m if m.dtype == torch.bool else m == 0
+        token_valid = token_valid[:, :length]
+        if bool(token_valid.all()):
+            token_valid = page_valid = None
+        else:
+            pages = math.ceil(length / page_size)
+            padded = torch.zeros(token_valid.shape[0], pages * page_size, dtype=torch.bool, device=m.device)
+            padded[:, :length] = token_valid
+            page_valid = padded.view(-1, pages, page_size).any(-1)
+        self._mask_memo = (attention_mask, length, token_valid, page_valid)
+        return token_valid, page_valid
+
+    # -- reports ---------------------------------------------------------------------------------
+    def memory_report(self) -> dict[str, int]:
+        """Bytes actually allocated per tier (not formulas), plus what a DynamicCache would hold."""
+        report = {"device_kv_bytes": 0, "host_kv_bytes": 0, "metadata_bytes": 0, "dense_kv_bytes": 0,
+                  "device_slots_in_use": 0}
+        for layer in self.layers:
+            if isinstance(layer, FlexiCacheLayer):
+                for store in layer.stores():
+                    report["device_kv_bytes"] += store.device_bytes()
+                    report["host_kv_bytes"] += store.host_bytes()
+                    report["metadata_bytes"] += store.metadata_bytes()
+                    report["device_slots_in_use"] += store.slots_in_use()
+                if layer.is_initialized:
+                    per_token = layer.batch * layer.num_kv_heads * (layer.head_dim + layer.value_dim)
+                    report["dense_kv_bytes"] += per_token * layer.length * layer.dtype.itemsize
+            elif getattr(layer, "keys", None) is not None and layer.keys.numel():
+                nbytes = layer.keys.numel() * layer.keys.element_size() + layer.values.numel() * layer.values.element_size()
+                report["device_kv_bytes"] += nbytes
+                report["dense_kv_bytes"] += nbytes
+        return report
+
+    def stats(self) -> dict:
+        """Counters of the decode so far (re-ranks, promotions, offloads)."""
+        s = {"decode_steps": 0, "reranks_stable": 0, "reranks_unstable": 0, "pages_promoted": 0, "bytes_promoted": 0,
+             "pages_offloaded": 0, "bytes_offloaded": 0, "promoted_fraction_per_rerank": []}
+        for layer in self.flexi_layers:
+            s["decode_steps"] = max(s["decode_steps"], layer.steps)
+            for group in layer.groups:
+                if group.kind == "stable":
+                    s["reranks_stable"] += group.rankings
+                elif group.kind == "unstable":
+                    s["reranks_unstable"] += group.rankings
+                s["promoted_fraction_per_rerank"].extend(group.promoted_fractions)
+                if group.store is not None:
+                    for key, value in group.store.counters.items():
+                        s[key] += value
+        if self.timings is not None:
+            s["timings_s"] = dict(self.timings)
+        return s
+
+    def enable_timing(self) -> None:
+        """Accumulate per-phase seconds (scoring, selection, gather_attention, promotion) into `stats()`."""
+        self.timings = {}
+        for layer in self.flexi_layers:
+            for group in layer.groups:
+                group.timings = self.timings
+
+    def release(self) -> None:
+        """Free every tensor this cache holds; the cache cannot be used afterwards."""
+        for idx, layer in enumerate(self.layers):
+            if isinstance(layer, FlexiCacheLayer):
+                for group in layer.groups:
+                    group.store = None
+                    group.sel = None
+            else:
+                layer.keys = layer.values = None
+        self.layers = []

@@ -1,0 +1,191 @@
+"""A head group: KV heads of one layer that share a selection policy and a paged store.
+
+Each FlexiCache layer splits its KV heads into up to three groups:
+- unstable: every page on the device, re-ranked every `unstable_rerank_interval` steps (1);
+- stable: tiered (top-K on the device, every full page on the host), re-ranked at the first decode
+  step and every `rerank_interval` steps, attending in between to its last top-K plus the pages
+  created since;
+- streaming (LServe-like baseline only): sink + most recent pages, never ranked.
+Splitting by group keeps each group's metadata contiguous, so a step scores only the groups that
+are due, with no Python loop over heads.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from contextlib import contextmanager
+
+import torch
+
+from . import kernels
+from .paged_store import PagedKV
+
+UNSTABLE, STABLE, STREAMING = "unstable", "stable", "streaming"
+
+
+class HeadGroup:
+    def __init__(self, kind: str, heads: list[int], cfg, timings: dict | None):
+        self.kind = kind
+        self.heads = heads
+        self.cfg = cfg
+        self.k = cfg.pages_per_head
+        if kind == UNSTABLE:
+            self.interval = cfg.unstable_rerank_interval
+        elif kind == STABLE:
+            self.interval = cfg.rerank_interval
+        else:
+            self.interval = None
+        self.tiered = kind == STABLE and cfg.offload
+        self.store: PagedKV | None = None
+        self.head_index: torch.Tensor | None = None
+        self.sel: torch.Tensor | None = None  # [N, <=K] pages chosen at the last ranking
+        self.pages_at_rank = 0  # pages that existed at the last ranking
+        self.pending: tuple[torch.Tensor, int] | None = None  # deferred ranking, applied after attention
+        self.compacted = False
+        self.rankings = 0
+        self.promoted_fractions: list[float] = []
+        self.timings = timings
+
+    def init_store(self, batch, head_dim, value_dim, dtype, device):
+        self.head_index = torch.tensor(self.heads, device=device)
+        self.store = PagedKV(
+            batch, len(self.heads), self.cfg.page_size, head_dim, value_dim, dtype, device, tiered=self.tiered
+        )
+
+    @contextmanager
+    def _timed(self, name):
+        if self.timings is None:
+            yield
+            return
+        if self.store.device.type == "cuda":
+            torch.cuda.synchronize(self.store.device)
+        t0 = time.perf_counter()
+        yield
+        if self.store.device.type == "cuda":
+            torch.cuda.synchronize(self.store.device)
+        self.timings[name] = self.timings.get(name, 0.0) + time.perf_counter() - t0
+
+    # -- selection -----------------------------------------------------------------------------
+    def is_due(self, step: int) -> bool:
+        """Whether this group ranks its pages at decode step `step` (1-based)."""
+        if self.kind == STREAMING:
+            return False
+        return step == 1 or step % self.interval == 0
+
+    def _rank(self, query: torch.Tensor, page_valid: torch.Tensor | None) -> torch.Tensor:
+        store = self.store
+        with self._timed("scoring"):
+            scores = kernels.score_pages(query, store.meta, store.num_pages, page_valid, backend=self.cfg.backend)
+        with self._timed("selection"):
+            return kernels.select_topk(scores, self.k)
+
+    def _streaming_pages(self) -> torch.Tensor:
+        n, pages = self.store.rows, self.store.num_pages
+        device = self.store.device
+        if pages <= self.k:
+            idx = torch.arange(pages, device=device)
+        else:
+            sink = self.cfg.streaming_sink_pages
+            idx = torch.cat([torch.arange(sink, device=device), torch.arange(pages - (self.k - sink), pages, device=device)])
+        return idx.expand(n, idx.numel())
+
+    def pages_for_step(self, step: int, query: torch.Tensor, page_valid: torch.Tensor | None) -> torch.Tensor:
+        """Logical pages `[N, M]` (-1 padded) this group attends to at decode step `step`."""
+        if self.pending is not None:
+            self._apply(*self.pending)
+            self.pending = None
+        if self.kind == STREAMING:
+            return self._streaming_pages()
+        store = self.store
+        if self.is_due(step):
+            new_sel = self._rank(query, page_valid)
+            self.rankings += 1
+            if step > 1 and self.tiered and self.cfg.promotion == "deferred":
+                # Attend with the current pages now; promote after this step's attention.
+                self.pending = (new_sel, store.num_pages)
+            else:
+                self._apply(new_sel, store.num_pages)
+        since = torch.arange(self.pages_at_rank, store.num_pages, device=store.device)
+        return torch.cat([self.sel, since.expand(self.sel.shape[0], since.numel())], dim=1)
+
+    def _resident_pages(self) -> torch.Tensor:
+        """Pages on the device now, `[N, R]`."""
+        store = self.store
+        if self.sel is None:  # right after prefill: everything is resident
+            return torch.arange(store.num_pages, device=store.device).expand(store.rows, store.num_pages)
+        since = torch.arange(self.pages_at_rank, store.num_pages, device=store.device)
+        return torch.cat([self.sel, since.expand(store.rows, since.numel())], dim=1)
+
+    def _apply(self, new_sel: torch.Tensor, pages_at_rank: int) -> None:
+        """Make `new_sel` the current selection; for a tiered group move pages between tiers."""
+        if self.tiered:
+            with self._timed("promotion"):
+                self._move_tiers(new_sel)
+        self.sel = new_sel
+        self.pages_at_rank = pages_at_rank
+
+    def _move_tiers(self, new_sel: torch.Tensor) -> None:
+        store = self.store
+        old_pages = self._resident_pages()
+        old_slots = store.slots_for(old_pages)
+        # The page being filled has no host copy yet; it is always selected, so it is never evicted.
+        new_slots, p_rows, p_pages, p_slots, freed = kernels.promotion_plan(old_pages, old_slots, new_sel)
+        if freed.numel():
+            store.transfers.wait_offloads()  # a dropped page's host copy must have landed
+        # Rewrite the table: old entries out, new entries in (kept pages keep their slot, promoted
+        # pages take an evicted page's slot), then copy only the promoted pages host -> device.
+        rows = torch.arange(store.rows, device=store.device)[:, None]
+        store.table[rows.expand_as(old_pages), old_pages] = 0
+        store.table[rows.expand_as(new_sel), new_sel] = new_slots
+        store.release(freed)
+        store.promote(p_rows, p_pages, p_slots)
+        if self.sel is not None:  # the first ranking only drops the prompt's pages; it promotes nothing
+            self.promoted_fractions.append(p_rows.numel() / max(1, new_sel.numel()))
+        if not self.compacted:
+            # After the first drop, give the freed device memory back: keep top-K plus the pages
+            # that can appear before the next ranking.
+            pages_between = math.ceil(self.interval / store.page_size) + 2 if self.interval < 10**6 else store.grow_pages
+            store.compact(pages_between * store.rows)
+            self.compacted = True
+
+    # -- attention -------------------------------------------------------------------------------
+    def attend(
+        self,
+        query: torch.Tensor,
+        step: int,
+        token_valid: torch.Tensor | None,
+        page_valid: torch.Tensor | None,
+        scaling: float,
+        softcap: float | None,
+        check: bool,
+    ) -> torch.Tensor:
+        """Sparse decode attention for this group. `query [N, G, D]` -> `[N, G, D]`."""
+        store = self.store
+        pages = self.pages_for_step(step, query, page_valid)
+        store.transfers.wait_promotions()
+        with self._timed("gather_attention"):
+            slots = store.slots_for(pages)
+            if check:
+                store.check_resident(pages, slots)
+            out = kernels.sparse_decode_attention(
+                query, store.k_pool, store.v_pool, slots, pages, store.length, scaling,
+                token_valid, len(self.heads), softcap, backend=self.cfg.backend,
+            )
+        if self.pending is not None:
+            # Deferred promotion: start the copies now, so they overlap the rest of the step.
+            self._apply(*self.pending)
+            self.pending = None
+        return out
+
+    def select_rows(self, batch_index: torch.Tensor) -> None:
+        if self.store is None:
+            return
+        heads = len(self.heads)
+        self.store.select_rows(batch_index)
+        if self.sel is not None:
+            row_map = (batch_index.to(self.sel.device)[:, None] * heads + torch.arange(heads, device=self.sel.device)).reshape(-1)
+            self.sel = self.sel[row_map]
+        if self.pending is not None:
+            row_map = (batch_index.to(self.sel.device)[:, None] * heads + torch.arange(heads, device=self.sel.device)).reshape(-1)
+            self.pending = (self.pending[0][row_map], self.pending[1])

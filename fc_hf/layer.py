@@ -1,0 +1,195 @@
+"""`FlexiCacheLayer`: one full-attention layer's cache, made of head groups.
+
+Prefill (more than one new token on an empty layer) returns the dense K/V for the model's own
+dense attention. A decode step (one new token) appends it to the pages and returns a placeholder
+that carries this layer; FlexiCache's attention function (see `attention.py`) finds it there and
+runs score -> select -> sparse attention. Any other attention function touching the placeholder
+raises, so a model not loaded with `attn_implementation="flexicache"` fails loudly instead of
+attending over a stand-in.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import CacheLayerMixin
+
+from .errors import FlexiCacheError
+from .head_group import STABLE, STREAMING, UNSTABLE, HeadGroup
+
+_METADATA_OPS = {"__get__", "size", "dim", "__repr__", "__format__", "__len__", "numel", "is_floating_point"}
+
+_NOT_FLEXICACHE = (
+    "FlexiCache decode step reached an attention function other than FlexiCache's (the model's "
+    "attn_implementation is {impl!r}). Load the model with attn_implementation='flexicache' after "
+    "`fc_hf.register()`, or call `model.set_attn_implementation('flexicache')`."
+)
+
+
+class DecodePlaceholder(torch.Tensor):
+    """Stands in for a layer's K/V at a decode step; only shape queries are allowed on it."""
+
+    fc_layer: "FlexiCacheLayer"
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") in _METADATA_OPS:
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **(kwargs or {}))
+        raise FlexiCacheError(_NOT_FLEXICACHE.format(impl=getattr(func, "__name__", func)))
+
+
+def _placeholder(layer: "FlexiCacheLayer", batch: int, heads: int, length: int, dim: int, like: torch.Tensor):
+    base = like.new_empty(()).expand(batch, heads, length, dim)
+    ph = torch.Tensor._make_subclass(DecodePlaceholder, base)
+    ph.fc_layer = layer
+    return ph
+
+
+class FlexiCacheLayer(CacheLayerMixin):
+    """The FlexiCache store of one full-attention layer (never set `_layer_type` here; see SPEC §3)."""
+
+    is_sliding = False
+    is_croppable = False
+    is_compileable = False
+
+    def __init__(self, layer_idx: int, num_kv_heads: int, cfg, unstable: set[int], streaming: set[int], owner):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_kv_heads = num_kv_heads
+        self.cfg = cfg
+        self.owner = owner  # the FlexiCache: decode-step counter, padding-mask cache, timings
+        kinds = {
+            STREAMING: sorted(streaming),
+            UNSTABLE: sorted(unstable - streaming),
+            STABLE: sorted(set(range(num_kv_heads)) - unstable - streaming),
+        }
+        self.groups = [HeadGroup(kind, heads, cfg, owner.timings) for kind, heads in kinds.items() if heads]
+        self.length = 0
+        self.steps = 0  # decode steps seen by this layer
+        self.pending = False  # a placeholder was handed out and not yet consumed by the attention function
+
+    # -- transformers CacheLayerMixin ------------------------------------------------------------
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.device, self.dtype = key_states.device, key_states.dtype
+        self.batch, self.head_dim, self.value_dim = key_states.shape[0], key_states.shape[-1], value_states.shape[-1]
+        for group in self.groups:
+            group.init_store(self.batch, self.head_dim, self.value_dim, self.dtype, self.device)
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        t = key_states.shape[2]
+        if self.pending:
+            raise FlexiCacheError(_NOT_FLEXICACHE.format(impl=self.owner.attn_implementation_hint()))
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        else:
+            self._check_same_kind(key_states)
+        if self.length > 0 and t != 1:
+            raise FlexiCacheError(
+                f"FlexiCache layer {self.layer_idx} already holds {self.length} tokens and got {t} more at once. A "
+                "FlexiCache serves exactly one generate call (prefill, then one token per step): create a fresh "
+                "FlexiCache for every generate call (e.g. `fc_hf.cache_factory(model, cfg, profile)`); assisted "
+                "decoding and chunked prefill are not supported."
+            )
+        for group in self.groups:
+            idx = group.head_index
+            group.store.append(key_states.index_select(1, idx), value_states.index_select(1, idx))
+        self.length += t
+        if t > 1 or self.length == 1:
+            return key_states, value_states  # prefill: dense attention over exactly these
+        self.steps += 1
+        self.pending = True
+        b, h = key_states.shape[:2]
+        return (
+            _placeholder(self, b, h, self.length, self.head_dim, key_states),
+            _placeholder(self, b, h, self.length, self.value_dim, value_states),
+        )
+
+    def _check_same_kind(self, key_states: torch.Tensor) -> None:
+        if key_states.device != self.device or key_states.dtype != self.dtype:
+            raise FlexiCacheError(
+                f"FlexiCache layer {self.layer_idx} holds {self.dtype} on {self.device} but got {key_states.dtype} on "
+                f"{key_states.device}. The model's dtype/device changed mid-generation: keep it fixed, or start a new "
+                "FlexiCache."
+            )
+        if key_states.shape[0] != self.batch:
+            raise FlexiCacheError(
+                f"FlexiCache layer {self.layer_idx} holds batch {self.batch} but got {key_states.shape[0]} sequences; "
+                "use a fresh FlexiCache for a new batch."
+            )
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.length + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        raise FlexiCacheError("FlexiCache cannot be reset in place; create a new FlexiCache instead.")
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise FlexiCacheError(
+            "FlexiCache cannot be cropped (assisted / speculative decoding rolls tokens back). Use DynamicCache for "
+            "assisted decoding."
+        )
+
+    def offload(self):  # the host tier is FlexiCache's own; transformers' whole-layer offloading does not apply
+        pass
+
+    def prefetch(self):
+        pass
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self.batch_select_indices(beam_idx)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.is_initialized:
+            self.batch_select_indices(torch.arange(self.batch, device=self.device).repeat_interleave(repeats))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if not self.is_initialized:
+            return
+        if indices.dtype == torch.bool:
+            indices = indices.nonzero().flatten()
+        for group in self.groups:
+            group.select_rows(indices)
+        self.batch = int(indices.numel())
+
+    # -- decode attention ------------------------------------------------------------------------
+    def attend(self, query: torch.Tensor, attention_mask, scaling: float, softcap: float | None) -> torch.Tensor:
+        """Sparse decode attention for this layer. `query [B, Hq, 1, D]` -> `[B, 1, Hq, D]`."""
+        self.pending = False
+        b, hq, q_len, d = query.shape
+        if q_len != 1:
+            raise FlexiCacheError(f"FlexiCache decode expects one query token, got {q_len}.")
+        groups = hq // self.num_kv_heads
+        q = query.view(b, self.num_kv_heads, groups, d)
+        token_valid, page_valid_full = self.owner.padding_info(attention_mask, self.length, self.cfg.page_size)
+        out = query.new_empty(b, self.num_kv_heads, groups, self.value_dim)
+        for group in self.groups:
+            hg = len(group.heads)
+            qg = q if hg == self.num_kv_heads else q.index_select(1, group.head_index)
+            qg = qg.reshape(b * hg, groups, d)
+            page_valid = None
+            if page_valid_full is not None:
+                page_valid = page_valid_full[:, None, :].expand(b, hg, -1).reshape(b * hg, -1)
+            og = group.attend(qg, self.steps, token_valid, page_valid, scaling, softcap, self.owner.check_residency)
+            out.index_copy_(1, group.head_index, og.view(b, hg, groups, self.value_dim))
+        return out.view(b, hq, self.value_dim).unsqueeze(1)
+
+    # -- accounting ------------------------------------------------------------------------------
+    def stores(self):
+        return [g.store for g in self.groups if g.store is not None]
+
+    def dense_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every token's K/V `[B, H, L, D]`, assembled from both tiers (for tests and inspection)."""
+        k = torch.empty(self.batch, self.num_kv_heads, self.length, self.head_dim, dtype=self.dtype, device=self.device)
+        v = torch.empty(self.batch, self.num_kv_heads, self.length, self.value_dim, dtype=self.dtype, device=self.device)
+        for group in self.groups:
+            gk, gv = group.store.dense()
+            k[:, group.head_index] = gk
+            v[:, group.head_index] = gv
+        return k, v

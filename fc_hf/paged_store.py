@@ -1,0 +1,281 @@
+"""Paged KV storage of one head group of one layer: device slot pool, block table, host tier, MinMax cache.
+
+Rows: one row per (sequence, KV head of the group), row = b * heads + h. Every row holds the same
+number of tokens (transformers pads on the left), so page `p` of every row covers tokens
+`[p*P, (p+1)*P)`.
+
+Device tier: `k_pool`/`v_pool` of shape `[S, P, D]`; slot 0 is the shared all-zero null block, and
+`table[row, page]` is the page's slot, or 0 when the page is not resident. Pages are allocated
+from a free-slot stack, so dropping and promoting pages never touches the allocator.
+
+Host tier (`tiered=True`): every full page is written once, when it fills, into
+`host_k/host_v[page, row]` (`[Pcap, N, P, D]`, pinned on CUDA). The host copy is authoritative:
+dropping a device page copies nothing; a promotion copies host -> device.
+
+MinMax cache: `meta[row, page] = [kmax, kmin]` (`[N, Pcap, 2D]`, KV dtype) for every full page,
+written when the page fills, always on the device and never offloaded.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .errors import FlexiCacheError
+from .transfer import PageTransfers
+
+
+def _grow_dim(t: torch.Tensor, dim: int, new_size: int, fill=0) -> torch.Tensor:
+    shape = list(t.shape)
+    shape[dim] = new_size
+    out = t.new_full(shape, fill)
+    out.narrow(dim, 0, t.shape[dim]).copy_(t)
+    return out
+
+
+class PagedKV:
+    """Pages of `heads` KV heads for a batch of sequences; see the module docstring."""
+
+    def __init__(
+        self,
+        batch: int,
+        heads: int,
+        page_size: int,
+        head_dim: int,
+        value_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        tiered: bool,
+        grow_pages: int = 16,
+    ):
+        self.batch, self.heads, self.page_size = batch, heads, page_size
+        self.head_dim, self.value_dim = head_dim, value_dim
+        self.dtype, self.device, self.tiered = dtype, device, tiered
+        self.rows = batch * heads
+        self.grow_pages = grow_pages  # capacity added per growth, in pages per row
+        self.length = 0
+        self.transfers = PageTransfers(device)
+        # Device tier: start with the null block only; `append` grows it to what the prompt needs.
+        self.k_pool = torch.zeros(1, page_size, head_dim, dtype=dtype, device=device)
+        self.v_pool = torch.zeros(1, page_size, value_dim, dtype=dtype, device=device)
+        self.free = torch.empty(0, dtype=torch.long, device=device)
+        self.n_free = 0
+        self.table = torch.zeros(self.rows, 0, dtype=torch.long, device=device)
+        self.meta = torch.zeros(self.rows, 0, 2 * head_dim, dtype=dtype, device=device)
+        self.host_k = self.host_v = None
+        self.host_pages = 0  # full pages written to the host tier
+        self.counters = {"pages_offloaded": 0, "bytes_offloaded": 0, "pages_promoted": 0, "bytes_promoted": 0}
+
+    # -- sizes ---------------------------------------------------------------------------------
+    @property
+    def num_pages(self) -> int:
+        return math.ceil(self.length / self.page_size)
+
+    @property
+    def full_pages(self) -> int:
+        return self.length // self.page_size
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one page of K plus V."""
+        return self.page_size * (self.head_dim + self.value_dim) * self.dtype.itemsize
+
+    def slots_in_use(self) -> int:
+        return self.k_pool.shape[0] - 1 - self.n_free
+
+    def device_bytes(self) -> int:
+        return self.k_pool.numel() * self.k_pool.element_size() + self.v_pool.numel() * self.v_pool.element_size()
+
+    def host_bytes(self) -> int:
+        if self.host_k is None:
+            return 0
+        return self.host_k.numel() * self.host_k.element_size() + self.host_v.numel() * self.host_v.element_size()
+
+    def metadata_bytes(self) -> int:
+        return self.meta.numel() * self.meta.element_size() + self.table.numel() * self.table.element_size()
+
+    # -- slot allocation -----------------------------------------------------------------------
+    def slots_needed(self, new_tokens: int) -> int:
+        """Device slots an append of `new_tokens` tokens would take from the free stack."""
+        new_pages = math.ceil((self.length + new_tokens) / self.page_size) - self.num_pages
+        return new_pages * self.rows
+
+    def _alloc(self, count: int) -> torch.Tensor:
+        if count > self.n_free:
+            self._grow_pool(count - self.n_free + self.grow_pages * self.rows)
+        self.n_free -= count
+        return self.free[self.n_free : self.n_free + count].clone()
+
+    def release(self, slots: torch.Tensor) -> None:
+        """Return device slots to the free stack (their pages stay on the host)."""
+        count = slots.numel()
+        if count == 0:
+            return
+        if self.n_free + count > self.free.numel():
+            self.free = _grow_dim(self.free, 0, self.n_free + count)
+        self.free[self.n_free : self.n_free + count] = slots.reshape(-1)
+        self.n_free += count
+
+    def _grow_pool(self, extra: int) -> None:
+        old = self.k_pool.shape[0]
+        self.k_pool = _grow_dim(self.k_pool, 0, old + extra)
+        self.v_pool = _grow_dim(self.v_pool, 0, old + extra)
+        # New slots go to the bottom of the stack so recently freed slots are reused first.
+        new = torch.arange(old, old + extra, device=self.device)
+        self.free = torch.cat([new, self.free[: self.n_free]])
+        self.n_free += extra
+
+    def compact(self, headroom_slots: int) -> None:
+        """Shrink the device pool to the resident pages plus `headroom_slots`, remapping the table.
+
+        Called once a tiered group has dropped the pages outside its top-K: a pool keeps its
+        allocation when slots are freed, so without this the device memory would not go down.
+        """
+        resident = self.table != 0
+        count = int(resident.sum())
+        new_k = self.k_pool.new_zeros(1 + count + headroom_slots, *self.k_pool.shape[1:])
+        new_v = self.v_pool.new_zeros(1 + count + headroom_slots, *self.v_pool.shape[1:])
+        old_slots = self.table[resident]
+        new_k[1 : 1 + count] = self.k_pool[old_slots]
+        new_v[1 : 1 + count] = self.v_pool[old_slots]
+        self.table[resident] = torch.arange(1, 1 + count, device=self.device)
+        self.k_pool, self.v_pool = new_k, new_v
+        self.free = torch.arange(1 + count, 1 + count + headroom_slots, device=self.device).flip(0)
+        self.n_free = headroom_slots
+
+    # -- writing ---------------------------------------------------------------------------------
+    def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Append `[B, heads, T, D]` keys/values for every row."""
+        t = keys.shape[2]
+        start = self.length
+        old_pages, old_full = self.num_pages, self.full_pages
+        new_pages = math.ceil((start + t) / self.page_size)
+        self._ensure_page_capacity(new_pages)
+        if new_pages > old_pages:
+            slots = self._alloc((new_pages - old_pages) * self.rows)
+            self.table[:, old_pages:new_pages] = slots.view(new_pages - old_pages, self.rows).t()
+        pos = torch.arange(start, start + t, device=self.device)
+        flat = self.table[:, pos // self.page_size] * self.page_size + (pos % self.page_size)  # [N, T]
+        self.k_pool.view(-1, self.head_dim).index_copy_(0, flat.reshape(-1), keys.reshape(-1, self.head_dim))
+        self.v_pool.view(-1, self.value_dim).index_copy_(0, flat.reshape(-1), values.reshape(-1, self.value_dim))
+        self.length = start + t
+        if self.full_pages > old_full:
+            self._pages_filled(old_full, self.full_pages)
+
+    def _pages_filled(self, first: int, end: int) -> None:
+        """Pages `[first, end)` just became full: write their MinMax entries and their host copies."""
+        slots = self.table[:, first:end]  # [N, F]
+        keys = self.k_pool[slots]  # [N, F, P, D]
+        self.meta[:, first:end] = torch.cat([keys.amax(dim=2), keys.amin(dim=2)], dim=-1)
+        if self.tiered:
+            self._ensure_host_capacity(end)
+            values = self.v_pool[slots]
+            self.transfers.offload(self.host_k[first:end], keys.transpose(0, 1))
+            self.transfers.offload(self.host_v[first:end], values.transpose(0, 1))
+            self.host_pages = end
+            n = (end - first) * self.rows
+            self.counters["pages_offloaded"] += n
+            self.counters["bytes_offloaded"] += n * self.page_bytes
+
+    def _ensure_page_capacity(self, pages: int) -> None:
+        cap = self.table.shape[1]
+        if pages > cap:
+            new_cap = pages + self.grow_pages
+            self.table = _grow_dim(self.table, 1, new_cap)
+            self.meta = _grow_dim(self.meta, 1, new_cap)
+
+    def _ensure_host_capacity(self, pages: int) -> None:
+        cap = 0 if self.host_k is None else self.host_k.shape[0]
+        if pages <= cap:
+            return
+        new_cap = pages + self.grow_pages
+        hk = self.transfers.host_empty((new_cap, self.rows, self.page_size, self.head_dim), self.dtype)
+        hv = self.transfers.host_empty((new_cap, self.rows, self.page_size, self.value_dim), self.dtype)
+        if self.host_k is not None:
+            self.transfers.sync_host()
+            hk[:cap].copy_(self.host_k)
+            hv[:cap].copy_(self.host_v)
+        self.host_k, self.host_v = hk, hv
+
+    # -- reading ---------------------------------------------------------------------------------
+    def slots_for(self, page_idx: torch.Tensor) -> torch.Tensor:
+        """Device slots of `[N, M]` logical pages (-1 entries map to the null block)."""
+        slots = self.table.gather(1, page_idx.clamp(min=0))
+        return slots.masked_fill(page_idx < 0, 0)
+
+    def check_resident(self, page_idx: torch.Tensor, slots: torch.Tensor) -> None:
+        """Raise instead of attending over the null block when a selected page is not on the device."""
+        missing = (slots == 0) & (page_idx >= 0)
+        if bool(missing.any()):
+            raise FlexiCacheError(
+                f"{int(missing.sum())} selected pages are not resident on the device; this is a FlexiCache bug "
+                "(please report it with your FlexiCacheConfig)."
+            )
+
+    def dense(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every token's K and V as `[B, heads, L, D]`, taken from the device where resident, else the host."""
+        n, pages = self.rows, self.num_pages
+        slots = self.table[:, :pages]
+        k = self.k_pool[slots].clone()  # [N, Np, P, D]
+        v = self.v_pool[slots].clone()
+        if self.tiered and self.host_pages:
+            self.transfers.sync_host()
+            off = slots[:, : self.host_pages] == 0
+            rows, cols = off.nonzero(as_tuple=True)
+            if rows.numel():
+                k[rows, cols] = self.host_k[cols.cpu(), rows.cpu()].to(self.device)
+                v[rows, cols] = self.host_v[cols.cpu(), rows.cpu()].to(self.device)
+        k = k.view(self.batch, self.heads, pages * self.page_size, self.head_dim)[:, :, : self.length]
+        v = v.view(self.batch, self.heads, pages * self.page_size, self.value_dim)[:, :, : self.length]
+        return k, v
+
+    # -- tier moves ------------------------------------------------------------------------------
+    def promote(self, rows: torch.Tensor, pages: torch.Tensor, slots: torch.Tensor) -> None:
+        """Copy host pages (row, page) into device slots `slots` (evicted slots being reused); the caller owns the table."""
+        if rows.numel() == 0:
+            return
+        self.transfers.wait_offloads()
+        host_index = pages * self.rows + rows
+        self.transfers.promote(
+            self.k_pool,
+            self.v_pool,
+            slots,
+            self.host_k.view(-1, self.page_size, self.head_dim),
+            self.host_v.view(-1, self.page_size, self.value_dim),
+            host_index,
+        )
+        self.counters["pages_promoted"] += rows.numel()
+        self.counters["bytes_promoted"] += rows.numel() * self.page_bytes
+
+    # -- batch reshuffles (beam search) ----------------------------------------------------------
+    def select_rows(self, batch_index: torch.Tensor) -> None:
+        """Keep/duplicate sequences: new sequence i is old sequence `batch_index[i]`.
+
+        Duplicated sequences get their own copies of every resident page, so no slot is shared.
+        """
+        batch_index = batch_index.to(self.device)
+        heads = torch.arange(self.heads, device=self.device)
+        row_map = (batch_index[:, None] * self.heads + heads).reshape(-1)
+        table = self.table[row_map]
+        resident = table != 0
+        count = int(resident.sum())
+        spare = self.grow_pages * row_map.numel()
+        new_k = self.k_pool.new_zeros(1 + count + spare, *self.k_pool.shape[1:])
+        new_v = self.v_pool.new_zeros(1 + count + spare, *self.v_pool.shape[1:])
+        new_k[1 : 1 + count] = self.k_pool[table[resident]]
+        new_v[1 : 1 + count] = self.v_pool[table[resident]]
+        table[resident] = torch.arange(1, 1 + count, device=self.device)
+        self.k_pool, self.v_pool, self.table = new_k, new_v, table
+        self.free = torch.arange(1 + count, 1 + count + spare, device=self.device).flip(0)
+        self.n_free = spare
+        self.meta = self.meta[row_map]
+        if self.host_k is not None:
+            self.transfers.sync_host()
+            cpu_map = row_map.cpu()
+            self.host_k = self.host_k[:, cpu_map]
+            self.host_v = self.host_v[:, cpu_map]
+            if self.transfers.is_cuda:
+                self.host_k, self.host_v = self.host_k.pin_memory(), self.host_v.pin_memory()
+        self.batch = batch_index.numel()
+        self.rows = self.batch * self.heads
