@@ -1,0 +1,159 @@
+"""LongBench and L-Eval loaders on JSONL fixtures in the benchmarks' schema; prompts; hub fallback."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from fc_hf.eval import leval, longbench, sources
+
+FIXTURES = Path(__file__).parent / "fixtures"
+
+
+class WordTokenizer:
+    """Whitespace tokenizer: one id per word, enough to test truncation and prompt layout."""
+
+    chat_template = None
+
+    def __init__(self):
+        self.vocab, self.words = {}, []
+
+    def __call__(self, text, add_special_tokens=False):
+        ids = []
+        for w in text.split(" "):
+            if w not in self.vocab:
+                self.vocab[w] = len(self.words)
+                self.words.append(w)
+            ids.append(self.vocab[w])
+        return {"input_ids": ids}
+
+    def decode(self, ids):
+        return " ".join(self.words[i] for i in ids)
+
+
+def test_longbench_local_folder_and_file():
+    recs = longbench.load_longbench("hotpotqa", local=FIXTURES / "longbench")
+    assert [r["answers"] for r in recs] == [["Paris"], ["Philip K. Dick", "Philip Kindred Dick"]]
+    one = longbench.load_longbench("hotpotqa", local=FIXTURES / "longbench" / "hotpotqa.jsonl", limit=1)
+    assert len(one) == 1 and one[0]["_id"] == "hotpotqa-0"
+
+
+def test_longbench_missing_task_file_prints_one_line_and_skips(capsys):
+    assert longbench.load_longbench("qasper", local=FIXTURES / "longbench") is None
+    out = capsys.readouterr().out.strip().splitlines()
+    assert len(out) == 1 and "qasper" in out[0] and "skipped" in out[0]
+
+
+def test_unknown_task_raises():
+    with pytest.raises(KeyError):
+        longbench.load_longbench("not_a_task", local=FIXTURES / "longbench")
+    with pytest.raises(KeyError):
+        leval.load_leval("coursera", local=FIXTURES / "leval")  # closed-ended: not scored here
+
+
+def test_wrong_schema_raises(tmp_path):
+    (tmp_path / "hotpotqa.jsonl").write_text(json.dumps({"question": "q", "answer": "a"}) + "\n")
+    with pytest.raises(ValueError, match="LongBench schema"):
+        longbench.load_longbench("hotpotqa", local=tmp_path)
+
+
+def test_bad_json_line_names_file_and_line(tmp_path):
+    f = tmp_path / "x.jsonl"
+    f.write_text('{"a": 1}\n{oops\n')
+    with pytest.raises(ValueError, match=r"x.jsonl:2"):
+        sources.read_jsonl(f)
+
+
+def test_hub_unreachable_skips_with_one_line(monkeypatch, capsys):
+    import datasets
+
+    def boom(*a, **k):
+        raise ConnectionError("Couldn't reach 'THUDM/LongBench' on the Hub (LocalEntryNotFoundError)")
+
+    monkeypatch.setattr(datasets, "load_dataset", boom)
+    assert longbench.load_longbench("hotpotqa") is None
+    assert leval.load_leval("financial_qa") is None
+    out = capsys.readouterr().out.strip().splitlines()
+    assert len(out) == 2
+    assert "THUDM/LongBench" in out[0] and "skipped" in out[0]
+    assert "L4NLP/LEval" in out[1]
+
+
+def test_hub_path_used_when_no_local(monkeypatch):
+    import datasets
+
+    seen = {}
+
+    def fake(hub_id, task, split):
+        seen.update(hub_id=hub_id, task=task, split=split)
+        return [{"input": "q", "context": "c", "answers": ["a"]}]
+
+    monkeypatch.setattr(datasets, "load_dataset", fake)
+    assert longbench.load_longbench("musique") == [{"input": "q", "context": "c", "answers": ["a"]}]
+    assert seen == {"hub_id": "THUDM/LongBench", "task": "musique", "split": "test"}
+
+
+def test_longbench_prompt_layout_and_middle_truncation():
+    tok = WordTokenizer()
+    rec = longbench.load_longbench("hotpotqa", local=FIXTURES / "longbench")[0]
+    ids = longbench.build_prompt_ids(tok, "hotpotqa", rec, max_prompt_tokens=10_000)
+    text = tok.decode(ids)
+    assert rec["context"].split(" ")[3] in text and text.rstrip().endswith("Answer:")
+    assert rec["input"] in text
+    short = longbench.build_prompt_ids(tok, "hotpotqa", rec, max_prompt_tokens=12)
+    assert len(short) == 12 and short[:6] == ids[:6] and short[-6:] == ids[-6:]
+
+
+def test_truncate_middle():
+    assert longbench.truncate_middle(list(range(10)), 4) == [0, 1, 8, 9]
+    assert longbench.truncate_middle(list(range(10)), 5) == [0, 1, 7, 8, 9]
+    assert longbench.truncate_middle([1, 2], 5) == [1, 2]
+
+
+def test_longbench_scoring_on_fixtures():
+    lb = FIXTURES / "longbench"
+    trec = longbench.load_longbench("trec", local=lb)[0]
+    assert longbench.score_sample("trec", "Mountain\nQuestion: next", trec) == 1.0
+    count = longbench.load_longbench("passage_count", local=lb)[0]
+    assert longbench.score_sample("passage_count", "2", count) == 1.0
+    retr = longbench.load_longbench("passage_retrieval_en", local=lb)[0]
+    assert longbench.score_sample("passage_retrieval_en", "Paragraph 1", retr) == 0.0
+    lcc = longbench.load_longbench("lcc", local=lb)[0]
+    assert longbench.score_sample("lcc", "    return total\n", lcc) == 1.0
+    zh = longbench.load_longbench("multifieldqa_zh", local=lb)[0]
+    assert longbench.score_sample("multifieldqa_zh", "北京", zh) == 1.0
+
+
+def test_prompt_file_overrides(tmp_path):
+    f = tmp_path / "p.json"
+    f.write_text(json.dumps({"hotpotqa": "Q: {input}\nC: {context}\nA:"}))
+    prompts = longbench.load_prompts(f)
+    assert prompts["hotpotqa"].startswith("Q: ") and prompts["musique"] == longbench.PROMPTS["musique"]
+
+
+def test_leval_flattens_instructions_and_picks_metric():
+    samples = leval.load_leval("financial_qa", local=FIXTURES / "leval")
+    assert [s["instruction"] for s in samples] == ["What was the revenue growth in the quarter?", "Who is the chief executive?"]
+    assert all(s["evaluation"] == "f1" for s in samples)
+    assert leval.score_sample("Jane Smith", samples[1]) == 1.0
+    # A record marked for LLM judging falls back to the task's automatic metric (ROUGE for summaries).
+    news = leval.load_leval("news_summ", local=FIXTURES / "leval")
+    assert news[0]["evaluation"] == "rouge"
+    assert leval.score_sample("Heavy rain flooded the city centre on Monday.", news[0]) == pytest.approx(1.0)
+
+
+def test_leval_mismatched_lists_raise(tmp_path):
+    (tmp_path / "financial_qa.jsonl").write_text(json.dumps({"input": "d", "instructions": ["a", "b"], "outputs": ["x"]}) + "\n")
+    with pytest.raises(ValueError, match="2 instructions but 1 outputs"):
+        leval.load_leval("financial_qa", local=tmp_path)
+
+
+def test_leval_prompt_fits_budget_and_asks_length():
+    tok = WordTokenizer()
+    s = dict(leval.load_leval("financial_qa", local=FIXTURES / "leval")[0])
+    s["document"] = " ".join(f"w{i}" for i in range(500))
+    ids = leval.build_prompt_ids(tok, s, max_prompt_tokens=120)
+    text = tok.decode(ids)
+    assert len(ids) <= 120
+    assert "w0" in text and "w499" not in text  # the document is cut at its end
+    assert "about 7 words" in text and s["instruction"] in text
