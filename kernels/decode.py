@@ -1,0 +1,334 @@
+"""Triton sparse paged decode attention (flash-decoding over each row's selected pages).
+
+Layout (as in flash-linear-attention): `@triton.jit` kernels, then the launchers that check shapes
+and dtypes, then the public function with the same signature as `reference.sparse_decode_attention`.
+
+One program handles one row (a (sequence, KV head) pair) and one split of its selected pages, with
+all G query heads of the GQA group packed as the rows of one `tl.dot`. Pages are reached through the
+row's block table `slots` into the `[S, P, D]` pools. With more than one split a second kernel merges
+the splits' partial outputs by their log-sum-exp.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _sparse_decode_kernel(
+    q_ptr, k_ptr, v_ptr, slots_ptr, pidx_ptr, tv_ptr, out_ptr, part_o_ptr, part_lse_ptr,
+    num_entries, seq_len, tv_len, rows_per_batch, pages_per_split, head_dim, v_dim,
+    qk_scale, softcap,
+    stride_qn, stride_qg, stride_qd,
+    stride_ks, stride_kp, stride_kd,
+    stride_vs, stride_vp, stride_vd,
+    stride_sn, stride_sm,
+    stride_pn, stride_pm,
+    stride_tb, stride_tl,
+    stride_on, stride_og, stride_od,
+    stride_an, stride_as, stride_ag, stride_ad,
+    stride_ln, stride_ls, stride_lg,
+    G: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    PAGE_PAD: tl.constexpr,
+    PAGES_PER_BLOCK: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    HAS_TOKEN_VALID: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    SPLIT: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    row = tl.program_id(0)
+    split = tl.program_id(1)
+    BLOCK_N: tl.constexpr = PAGES_PER_BLOCK * PAGE_PAD
+
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    offs_n = tl.arange(0, BLOCK_N)
+    g_ok = offs_g < G
+    d_ok = offs_d < head_dim
+    dv_ok = offs_dv < v_dim
+    # Token j of a block sits at offset (j % PAGE_PAD) of the block's (j // PAGE_PAD)-th page.
+    tok = offs_n % PAGE_PAD
+    page_of = offs_n // PAGE_PAD
+
+    q = tl.load(
+        q_ptr + row * stride_qn + offs_g[:, None] * stride_qg + offs_d[None, :] * stride_qd,
+        mask=g_ok[:, None] & d_ok[None, :], other=0.0,
+    )
+    if UPCAST:
+        q = q.to(tl.float32)
+    else:
+        q = q.to(k_ptr.dtype.element_ty)
+
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_DV], tl.float32)
+    batch = row // rows_per_batch
+
+    first = split * pages_per_split
+    last = tl.minimum(first + pages_per_split, num_entries)
+    for e0 in range(first, last, PAGES_PER_BLOCK):
+        entry = e0 + page_of
+        e_ok = (entry < last) & (tok < PAGE_SIZE)
+        slot = tl.load(slots_ptr + row * stride_sn + entry * stride_sm, mask=e_ok, other=0)
+        pidx = tl.load(pidx_ptr + row * stride_pn + entry * stride_pm, mask=e_ok, other=-1)
+        pos = pidx * PAGE_SIZE + tok
+        ok = e_ok & (pidx >= 0) & (pos < seq_len)
+        if HAS_TOKEN_VALID:
+            pos_c = tl.minimum(tl.maximum(pos, 0), tv_len - 1)
+            tv = tl.load(tv_ptr + batch * stride_tb + pos_c * stride_tl, mask=ok, other=0)
+            ok = ok & (tv != 0)
+        slot = slot.to(tl.int64)
+        # Masked tokens are never loaded, so garbage past seq_len or in unused slots cannot leak in.
+        k = tl.load(
+            k_ptr + slot[:, None] * stride_ks + tok[:, None] * stride_kp + offs_d[None, :] * stride_kd,
+            mask=ok[:, None] & d_ok[None, :], other=0.0,
+        )
+        if UPCAST:
+            s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = s * qk_scale  # qk_scale = scaling (* log2 e when there is no softcap)
+        if HAS_SOFTCAP:
+            # tanh(x) = 1 - 2 / (exp(2x) + 1), saturating cleanly at +-1; then move to the log2 domain.
+            s = (1.0 - 2.0 / (tl.exp(2.0 * s / softcap) + 1.0)) * softcap * 1.4426950408889634
+        s = tl.where(ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        # A row with nothing attendable yet keeps m = -inf; shift by 0 so exp2 gives 0, not NaN.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s - m_safe[:, None])
+        alpha = tl.math.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(
+            v_ptr + slot[:, None] * stride_vs + tok[:, None] * stride_vp + offs_dv[None, :] * stride_vd,
+            mask=ok[:, None] & dv_ok[None, :], other=0.0,
+        )
+        if UPCAST:
+            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+
+    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+    o = acc / l_safe[:, None]
+    o_mask = g_ok[:, None] & dv_ok[None, :]
+    if SPLIT:
+        lse = tl.where(l_i > 0.0, m_i + tl.math.log2(l_safe), float("-inf"))
+        tl.store(
+            part_o_ptr + row * stride_an + split * stride_as + offs_g[:, None] * stride_ag + offs_dv[None, :] * stride_ad,
+            o, mask=o_mask,
+        )
+        tl.store(part_lse_ptr + row * stride_ln + split * stride_ls + offs_g * stride_lg, lse, mask=g_ok)
+    else:
+        tl.store(
+            out_ptr + row * stride_on + offs_g[:, None] * stride_og + offs_dv[None, :] * stride_od,
+            o.to(out_ptr.dtype.element_ty), mask=o_mask,
+        )
+
+
+@triton.jit
+def _combine_splits_kernel(
+    part_o_ptr, part_lse_ptr, out_ptr,
+    num_splits, v_dim,
+    stride_an, stride_as, stride_ag, stride_ad,
+    stride_ln, stride_ls, stride_lg,
+    stride_on, stride_og, stride_od,
+    BLOCK_S: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+):
+    row = tl.program_id(0)
+    g = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    s_ok = offs_s < num_splits
+    dv_ok = offs_dv < v_dim
+    lse = tl.load(part_lse_ptr + row * stride_ln + offs_s * stride_ls + g * stride_lg, mask=s_ok, other=float("-inf"))
+    mx = tl.max(lse, axis=0)
+    mx = tl.where(mx == float("-inf"), 0.0, mx)
+    w = tl.math.exp2(lse - mx)  # 0 for splits with no attendable token
+    o = tl.load(
+        part_o_ptr + row * stride_an + offs_s[:, None] * stride_as + g * stride_ag + offs_dv[None, :] * stride_ad,
+        mask=s_ok[:, None] & dv_ok[None, :], other=0.0,
+    )
+    den = tl.sum(w, axis=0)
+    res = tl.sum(w[:, None] * o, axis=0) / tl.where(den > 0.0, den, 1.0)
+    tl.store(out_ptr + row * stride_on + g * stride_og + offs_dv * stride_od, res.to(out_ptr.dtype.element_ty), mask=dv_ok)
+
+
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def _block_sizes(page_size: int, head_dim: int) -> tuple[int, int]:
+    """(PAGE_PAD, PAGES_PER_BLOCK): tokens per loop iteration = PAGE_PAD * PAGES_PER_BLOCK."""
+    page_pad = triton.next_power_of_2(page_size)
+    tokens = 64 if head_dim <= 128 else 32
+    return page_pad, max(1, tokens // page_pad)
+
+
+def _default_splits(rows: int, entries: int, pages_per_block: int, device: torch.device) -> int:
+    """Enough programs to fill the machine (about two per SM), never more splits than page blocks."""
+    if device.type == "cuda":
+        target = 2 * torch.cuda.get_device_properties(device).multi_processor_count
+    else:
+        target = 4  # the interpreter: small, but still exercises the combine pass
+    blocks = triton.cdiv(entries, pages_per_block)
+    return max(1, min(blocks, triton.cdiv(target, rows)))
+
+
+def _check_inputs(query, k_pool, v_pool, slots, page_idx, token_valid, rows_per_batch):
+    if query.dim() != 3 or k_pool.dim() != 3 or v_pool.dim() != 3:
+        raise ValueError("query must be [N, G, D] and the pools [S, P, D]")
+    n, _, d = query.shape
+    if k_pool.shape[2] != d or v_pool.shape[:2] != k_pool.shape[:2]:
+        raise ValueError(f"pool shapes {tuple(k_pool.shape)}/{tuple(v_pool.shape)} do not match head_dim {d}")
+    if slots.shape != page_idx.shape or slots.dim() != 2 or slots.shape[0] != n:
+        raise ValueError(f"slots/page_idx must both be [N={n}, M], got {tuple(slots.shape)}/{tuple(page_idx.shape)}")
+    if slots.dtype not in _INDEX_DTYPES or page_idx.dtype not in _INDEX_DTYPES:
+        raise TypeError("slots and page_idx must be int32 or int64")
+    for name, t in (("query", query), ("k_pool", k_pool), ("v_pool", v_pool)):
+        if t.dtype not in _FLOAT_DTYPES:
+            raise TypeError(f"{name} must be fp16, bf16 or fp32, got {t.dtype}")
+    if k_pool.dtype != v_pool.dtype:
+        raise TypeError(f"k_pool and v_pool dtypes differ: {k_pool.dtype} vs {v_pool.dtype}")
+    if rows_per_batch < 1:
+        raise ValueError("rows_per_batch must be >= 1")
+    if token_valid is not None:
+        if token_valid.dtype != torch.bool or token_valid.dim() != 2:
+            raise ValueError("token_valid must be a bool [B, L] tensor")
+        if token_valid.shape[0] * rows_per_batch < n:
+            raise ValueError(f"token_valid has {token_valid.shape[0]} rows, need {triton.cdiv(n, rows_per_batch)}")
+
+
+def _decode_plan(query, k_pool, v_pool, slots, page_idx, seq_len, scaling, token_valid, rows_per_batch, softcap,
+                 out, num_splits, part_o=None, part_lse=None):
+    """Grid, runtime arguments and constexprs of one `_sparse_decode_kernel` launch (also used by the compile test)."""
+    n, g, d = query.shape
+    m = slots.shape[1]
+    page_size, dv = k_pool.shape[1], v_pool.shape[2]
+    page_pad, ppb = _block_sizes(page_size, d)
+    blocks = max(1, triton.cdiv(m, ppb))
+    num_splits = max(1, min(num_splits, blocks))
+    pages_per_split = triton.cdiv(blocks, num_splits) * ppb
+    num_splits = max(1, triton.cdiv(m, pages_per_split))  # no empty trailing split
+    split = num_splits > 1
+    if split and (part_o is None or part_lse is None):
+        part_o = torch.empty(n, num_splits, g, dv, device=query.device, dtype=torch.float32)
+        part_lse = torch.empty(n, num_splits, g, device=query.device, dtype=torch.float32)
+    if not split:
+        part_o, part_lse = out, out[:, :, 0]  # never written: SPLIT is False
+    tv = token_valid.view(torch.uint8) if token_valid is not None else slots  # never read without HAS_TOKEN_VALID
+    upcast = not query.is_cuda or k_pool.dtype == torch.float32
+    qk_scale = float(scaling) if softcap is not None else float(scaling) * _LOG2E
+    args = dict(
+        q_ptr=query, k_ptr=k_pool, v_ptr=v_pool, slots_ptr=slots, pidx_ptr=page_idx, tv_ptr=tv, out_ptr=out,
+        part_o_ptr=part_o, part_lse_ptr=part_lse,
+        num_entries=m, seq_len=int(seq_len), tv_len=tv.shape[1], rows_per_batch=int(rows_per_batch),
+        pages_per_split=pages_per_split, head_dim=d, v_dim=dv,
+        qk_scale=qk_scale, softcap=float(softcap) if softcap is not None else 1.0,
+        stride_qn=query.stride(0), stride_qg=query.stride(1), stride_qd=query.stride(2),
+        stride_ks=k_pool.stride(0), stride_kp=k_pool.stride(1), stride_kd=k_pool.stride(2),
+        stride_vs=v_pool.stride(0), stride_vp=v_pool.stride(1), stride_vd=v_pool.stride(2),
+        stride_sn=slots.stride(0), stride_sm=slots.stride(1),
+        stride_pn=page_idx.stride(0), stride_pm=page_idx.stride(1),
+        stride_tb=tv.stride(0), stride_tl=tv.stride(1),
+        stride_on=out.stride(0), stride_og=out.stride(1), stride_od=out.stride(2),
+        stride_an=part_o.stride(0), stride_as=part_o.stride(1), stride_ag=part_o.stride(-2), stride_ad=part_o.stride(-1),
+        stride_ln=part_lse.stride(0), stride_ls=part_lse.stride(1), stride_lg=part_lse.stride(-1),
+    )
+    constexprs = dict(
+        G=g, PAGE_SIZE=page_size, PAGE_PAD=page_pad, PAGES_PER_BLOCK=ppb,
+        BLOCK_G=max(16, triton.next_power_of_2(g)), BLOCK_D=max(16, triton.next_power_of_2(d)),
+        BLOCK_DV=max(16, triton.next_power_of_2(dv)), HAS_TOKEN_VALID=token_valid is not None,
+        HAS_SOFTCAP=softcap is not None, SPLIT=split, UPCAST=upcast,
+    )
+    return (n, num_splits), args, constexprs
+
+
+def _combine_plan(part_o, part_lse, out):
+    """Grid, runtime arguments and constexprs of one `_combine_splits_kernel` launch."""
+    n, s, g, dv = part_o.shape
+    args = dict(
+        part_o_ptr=part_o, part_lse_ptr=part_lse, out_ptr=out, num_splits=s, v_dim=dv,
+        stride_an=part_o.stride(0), stride_as=part_o.stride(1), stride_ag=part_o.stride(2), stride_ad=part_o.stride(3),
+        stride_ln=part_lse.stride(0), stride_ls=part_lse.stride(1), stride_lg=part_lse.stride(2),
+        stride_on=out.stride(0), stride_og=out.stride(1), stride_od=out.stride(2),
+    )
+    constexprs = dict(BLOCK_S=triton.next_power_of_2(s), BLOCK_DV=triton.next_power_of_2(dv))
+    return (n, g), args, constexprs
+
+
+def sparse_decode_attention_triton(
+    query: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    slots: torch.Tensor,
+    page_idx: torch.Tensor,
+    seq_len: int,
+    scaling: float,
+    token_valid: torch.Tensor | None = None,
+    rows_per_batch: int = 1,
+    softcap: float | None = None,
+    *,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """Decode attention of each row's query heads over the tokens of its selected pages (flash-decoding).
+
+    Same contract as `reference.sparse_decode_attention`: a token is attended when its entry's
+    `page_idx >= 0`, its position `page_idx * P + t < seq_len` and `token_valid[row // rows_per_batch, pos]`;
+    softmax in fp32 over exactly those tokens, fp32 accumulation for fp16/bf16/fp32 inputs, output
+    in the query's dtype, zeros for a row with no attendable token. Masked tokens are never loaded.
+
+    Args:
+        query (`torch.Tensor` of shape `[N, G, D]`): one decode query per query head.
+        k_pool, v_pool (`torch.Tensor` of shape `[S, P, D]`): page pools.
+        slots (`torch.Tensor` of shape `[N, M]`): pool slot of each selected page (0 = null block).
+        page_idx (`torch.Tensor` of shape `[N, M]`): logical index of each selected page, -1 = unused entry.
+        seq_len (`int`): logical sequence length (tokens at positions >= seq_len are masked).
+        scaling (`float`): the model's softmax scale.
+        token_valid (`torch.Tensor` of shape `[B, L]`, *optional*): padding mask, True = attend.
+        rows_per_batch (`int`): rows per sequence, to map a row to its padding-mask row.
+        softcap (`float`, *optional*): logit soft-capping (Gemma-2 style), `tanh(s / c) * c`.
+        num_splits (`int`, *optional*): splits of each row's pages (default: enough programs to fill the device).
+
+    Returns:
+        `torch.Tensor` of shape `[N, G, D]` in the query's dtype.
+
+    Example:
+        >>> q = torch.randn(32, 4, 128, device="cuda", dtype=torch.bfloat16)
+        >>> pool = torch.randn(2049, 16, 128, device="cuda", dtype=torch.bfloat16)
+        >>> slots = torch.randint(1, 2049, (32, 64), device="cuda")
+        >>> pages = torch.arange(64, device="cuda").expand(32, 64)
+        >>> sparse_decode_attention_triton(q, pool, pool, slots, pages, 1024, 128 ** -0.5).shape
+        torch.Size([32, 4, 128])
+    """
+    _check_inputs(query, k_pool, v_pool, slots, page_idx, token_valid, rows_per_batch)
+    n, g, _ = query.shape
+    out = torch.empty(n, g, v_pool.shape[2], device=query.device, dtype=query.dtype)
+    if n == 0:
+        return out
+    if slots.shape[1] == 0:
+        return out.zero_()
+    if num_splits is None:
+        _, ppb = _block_sizes(k_pool.shape[1], query.shape[2])
+        num_splits = _default_splits(n, slots.shape[1], ppb, query.device)
+    grid, args, constexprs = _decode_plan(
+        query, k_pool, v_pool, slots, page_idx, seq_len, scaling, token_valid, rows_per_batch, softcap, out, num_splits
+    )
+    _sparse_decode_kernel[grid](**args, **constexprs, num_warps=4)
+    if constexprs["SPLIT"]:
+        grid, args, constexprs = _combine_plan(args["part_o_ptr"], args["part_lse_ptr"], out)
+        _combine_splits_kernel[grid](**args, **constexprs)
+    return out
+
+
+__all__ = ["sparse_decode_attention_triton"]
