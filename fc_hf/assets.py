@@ -320,13 +320,12 @@ def _convert(spec: ModelSpec, dest: Path, verbose: bool) -> None:
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    model.config.name_or_path = spec.hub_id
     t2 = time.perf_counter()
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
-    try:
-        model.save_pretrained(tmp, safe_serialization=True)
-        tokenizer.save_pretrained(tmp)
+
+    def write(folder: Path) -> None:
+        model.save_pretrained(folder, safe_serialization=True)
+        tokenizer.save_pretrained(folder)
+        _verify_folder(folder, model, tokenizer)
         info = {
             "name": spec.name,
             "hub_id": spec.hub_id,
@@ -336,16 +335,52 @@ def _convert(spec: ModelSpec, dest: Path, verbose: bool) -> None:
             "transformers": transformers.__version__,
             "dtype": "float32",
         }
-        (tmp / _MARKER).write_text(json.dumps(info, indent=2) + "\n")
-        if dest.exists():  # an incomplete folder left by an older layout: move it aside first
+        (folder / _MARKER).write_text(json.dumps(info, indent=2) + "\n")
+
+    _atomic_folder(dest, write)
+    say(f"[{spec.name}] saved, reloaded, verified identical: {dest} ({time.perf_counter() - t2:.1f} s)")
+    if gguf.parent == dest.parent.parent / "gguf":  # an assembled copy: no longer needed
+        gguf.unlink(missing_ok=True)
+
+
+def _verify_folder(folder: Path, model, tokenizer) -> None:
+    """Reload a saved folder and check it has exactly the weights and tokenization in memory."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    reloaded = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    want, got = model.state_dict(), reloaded.state_dict()
+    if set(want) != set(got):
+        raise RuntimeError(f"saved folder {folder} has different tensors: {sorted(set(want) ^ set(got))[:5]}")
+    bad = [k for k in want if not torch.equal(want[k], got[k])]
+    if bad:
+        raise RuntimeError(f"saved folder {folder} reloads with different weights in {bad[:5]}")
+    sample = "In the beginning God created the heaven and the earth. print('hi')\n\tx = 1"
+    if AutoTokenizer.from_pretrained(folder)(sample)["input_ids"] != tokenizer(sample)["input_ids"]:
+        raise RuntimeError(f"saved tokenizer in {folder} tokenizes differently from the GGUF one")
+
+
+def _atomic_folder(dest: Path, write) -> None:
+    """Build a folder with ``write(tmp)`` in a sibling temp folder, then rename it to ``dest``.
+
+    The caller holds the conversion lock. If ``write`` raises (or the process dies), ``dest`` is
+    untouched; temp folders a killed process left behind are removed on the next conversion.
+    """
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    for stale in dest.parent.glob(f".{dest.name}.tmp-*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
+    try:
+        write(tmp)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; the cache is meant to be shared
+        if dest.exists():  # a folder without the completion marker (e.g. copied by hand)
             shutil.rmtree(dest)
         os.rename(tmp, dest)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
-    say(f"[{spec.name}] saved to {dest} ({time.perf_counter() - t2:.1f} s)")
-    if gguf.parent == dest.parent.parent / "gguf":  # an assembled copy: no longer needed
-        gguf.unlink(missing_ok=True)
 
 
 def model_path(name: str, verbose: bool = True) -> Path:
@@ -394,11 +429,15 @@ def load_model(name: str, dtype=None, attn_implementation: str = "sdpa", device=
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     dtype = torch.float32 if dtype is None else dtype
-    source = model_path(name) if name in MODELS else name
-    if not isinstance(source, Path) and not Path(source).expanduser().is_dir() and "/" not in str(source):
+    name = str(name)
+    if name in MODELS:
+        source = str(model_path(name))
+    elif Path(name).expanduser().is_dir():
+        source = str(Path(name).expanduser())
+    elif name.count("/") == 1 and not name.startswith((".", "/", "~")):
+        source = name  # a hub id: works where the hub is reachable
+    else:
         raise KeyError(f"{name!r} is neither a bundled model ({sorted(MODELS)}) nor a folder")
-    if isinstance(source, Path) or Path(source).expanduser().is_dir():
-        source = str(Path(source).expanduser())
     model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, attn_implementation=attn_implementation)
     tokenizer = AutoTokenizer.from_pretrained(source)
     if device is not None:
