@@ -359,3 +359,32 @@ def test_dispatch_pipeline_triton_equals_torch(device):
         results[backend] = (sel.sort(1).values.cpu(), dispatch.sparse_decode_attention(*args, backend=backend).cpu())
     assert torch.equal(results["torch"][0], results["triton"][0])
     assert_rel_rms(results["triton"][1], results["torch"][1], FLOOR[torch.float32], "dispatch")
+
+
+# --------------------------------------------------------------------------------------------------
+# Benchmark script (tiny CPU run: the table and JSON come out and the sanity check holds)
+# --------------------------------------------------------------------------------------------------
+
+
+def test_bench_kernels_cpu_smoke(tmp_path, capsys):
+    from fc_hf.eval import bench_kernels
+
+    out = tmp_path / "bench.json"
+    argv = [
+        "--device", "cpu", "--context", "300", "--batch", "1", "2", "--budget", "64", "128",
+        "--q-heads", "4", "--kv-heads", "2", "--head-dim", "32", "--cpu-iters", "1", "--out", str(out),
+    ]
+    assert bench_kernels.main(argv) == 0
+    import json
+
+    data = json.loads(out.read_text())
+    assert data["meta"]["backend"] == "torch" and data["meta"]["dtype"] == "fp32"
+    assert [(r["batch"], r["budget"]) for r in data["records"]] == [(1, 64), (1, 128), (2, 64), (2, 128)]
+    assert data["checks"]["all_pages_vs_sdpa"] < 1e-5 and data["checks"]["topk_vs_reference"] < 1e-6
+    for r in data["records"]:
+        assert r["pages_per_head"] == r["budget"] // 16
+        assert all(r[k] > 0 for k in ("dense_ms", "rerank_all_ms", "stable_aware_ms", "stable_select_ms"))
+        # Amortisation is arithmetic on the measured parts: check it, not the (noisy) timings.
+        expected = r["unstable_select_ms"] + r["stable_select_ms"] / 16 + r["groups_attend_ms"]
+        assert abs(r["stable_aware_ms"] - expected) < 1e-9
+    assert "dense/RA" in capsys.readouterr().out
