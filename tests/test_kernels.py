@@ -1,15 +1,22 @@
 """Triton kernels against the PyTorch references and against brute force.
 
-On a machine without CUDA the kernels run on CPU tensors under the Triton interpreter: this module
-sets TRITON_INTERPRET=1 before the kernel modules are imported (and re-imports them if something
-imported them earlier without it). With CUDA present the same tests run compiled on the GPU
-(`cuda` marker); set TRITON_INTERPRET=1 yourself to run the interpreter there instead.
+On a machine without CUDA the kernels run on CPU tensors under the Triton interpreter. The
+interpreter must be on before *triton itself* is imported (triton's own `tl.sum`/`tl.max` helpers
+are decorated at import), so this module sets TRITON_INTERPRET=1 before importing it. In a full
+test run something else (a transformers model import) has usually imported triton already; then
+the CPU cases skip here and `test_interpreter_cases_in_fresh_process` runs this file again in a
+fresh process with the interpreter on, failing with that run's output if any case fails.
+With CUDA present the same tests run compiled on the GPU (`cuda` marker).
 """
 
 from __future__ import annotations
 
 import importlib
+import json
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -23,17 +30,22 @@ from fc_hf.kernels import decode as decode_mod  # noqa: E402
 from fc_hf.kernels import dispatch, reference  # noqa: E402
 from fc_hf.kernels import score as score_mod  # noqa: E402
 
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+# Kernels can only be interpreted if triton's language helpers were decorated with the interpreter on.
+INTERPRET = hasattr(triton.language.sum, "rewriter") and os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 if INTERPRET and not hasattr(decode_mod._sparse_decode_kernel, "rewriter"):
-    # Imported earlier without the interpreter: re-decorate the kernels so CPU tensors can launch them.
+    # The kernel modules were imported before the interpreter was switched on: re-decorate them.
     score_mod = importlib.reload(score_mod)
     decode_mod = importlib.reload(decode_mod)
+_CHILD_ENV = "FLEXICACHE_KERNEL_TESTS_CHILD"
 
 score_pages_triton = score_mod.score_pages_triton
 sparse_decode_attention_triton = decode_mod.sparse_decode_attention_triton
 
 DEVICES = [
-    pytest.param("cpu", id="cpu", marks=pytest.mark.skipif(not INTERPRET, reason="Triton interpreter not enabled")),
+    pytest.param(
+        "cpu", id="cpu",
+        marks=pytest.mark.skipif(not INTERPRET, reason="triton imported without the interpreter; see the fresh-process test"),
+    ),
     pytest.param(
         "cuda",
         id="cuda",
@@ -43,6 +55,21 @@ DEVICES = [
         ],
     ),
 ]
+
+
+@pytest.mark.skipif(
+    INTERPRET or torch.cuda.is_available() or os.environ.get(_CHILD_ENV) == "1",
+    reason="the interpreter cases run in this process",
+)
+def test_interpreter_cases_in_fresh_process():
+    """Run this file's CPU cases where triton is imported with the interpreter on from the start."""
+    env = dict(os.environ, TRITON_INTERPRET="1", **{_CHILD_ENV: "1"})
+    root = Path(__file__).resolve().parents[1]
+    cmd = [sys.executable, "-m", "pytest", str(Path(__file__).resolve()), "-q", "-p", "no:cacheprovider", "-m", "not cuda", "-k", "cpu"]
+    run = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, f"interpreter run failed:\n{run.stdout[-6000:]}\n{run.stderr[-2000:]}"
+    assert " passed" in run.stdout and "no tests ran" not in run.stdout
+
 
 # Relative-RMS floor per dtype: about two ulps of the output dtype (the interpreter truncates fp32 -> bf16).
 FLOOR = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
@@ -366,7 +393,7 @@ def test_dispatch_pipeline_triton_equals_torch(device):
 # --------------------------------------------------------------------------------------------------
 
 
-def test_bench_kernels_cpu_smoke(tmp_path, capsys):
+def test_bench_kernels_smoke(tmp_path, capsys):
     from fc_hf.eval import bench_kernels
 
     out = tmp_path / "bench.json"
@@ -375,8 +402,6 @@ def test_bench_kernels_cpu_smoke(tmp_path, capsys):
         "--q-heads", "4", "--kv-heads", "2", "--head-dim", "32", "--cpu-iters", "1", "--out", str(out),
     ]
     assert bench_kernels.main(argv) == 0
-    import json
-
     data = json.loads(out.read_text())
     assert data["meta"]["backend"] == "torch" and data["meta"]["dtype"] == "fp32"
     assert [(r["batch"], r["budget"]) for r in data["records"]] == [(1, 64), (1, 128), (2, 64), (2, 128)]
