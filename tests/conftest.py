@@ -1,0 +1,72 @@
+"""Shared helpers: tiny random models of every supported family, and a dense/FlexiCache comparison."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+
+def pytest_collection_modifyitems(config, items):
+    has_cuda = torch.cuda.is_available()
+    slow_ok = os.environ.get("FLEXICACHE_SLOW") == "1"
+    for item in items:
+        if "cuda" in item.keywords and not has_cuda:
+            item.add_marker(pytest.mark.skip(reason="needs a CUDA device"))
+        if "slow" in item.keywords and not slow_ok:
+            item.add_marker(pytest.mark.skip(reason="slow; set FLEXICACHE_SLOW=1"))
+
+
+def tiny_config(family: str = "llama", layers: int = 2, heads: int = 6, kv_heads: int = 2, head_dim: int = 16, **kw):
+    """A small random config of `family` (llama, qwen2, mistral, gemma3, phi3); `head_dim` per head."""
+    from transformers import Gemma3TextConfig, LlamaConfig, MistralConfig, Phi3Config, Qwen2Config
+
+    common = dict(
+        vocab_size=97, hidden_size=heads * head_dim, intermediate_size=64, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=4096, head_dim=head_dim,
+    )
+    common.update(kw)
+    if family == "llama":
+        return LlamaConfig(**common)
+    if family == "qwen2":
+        return Qwen2Config(**common)
+    if family == "mistral":
+        return MistralConfig(**{"sliding_window": None, **common})
+    if family == "gemma3":
+        # Gemma3's default pattern: 5 sliding layers, then 1 full-attention layer.
+        common["num_hidden_layers"] = max(layers, 6)
+        return Gemma3TextConfig(**{"sliding_window": 8, "query_pre_attn_scalar": head_dim, **common})
+    if family == "phi3":
+        common.pop("head_dim")
+        return Phi3Config(**{"pad_token_id": 0, **common})
+    raise ValueError(family)
+
+
+def tiny_model(family: str = "llama", seed: int = 0, **kw):
+    from transformers import AutoModelForCausalLM
+
+    from fc_hf import register
+
+    register()
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(family, **kw)).eval()
+    model.set_attn_implementation("flexicache")
+    return model
+
+
+def left_padded_batch(batch: int, length: int, vocab: int = 97, seed: int = 0, pad_lengths=None):
+    """`(input_ids, attention_mask)` with row i left-padded by pad_lengths[i] tokens."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, vocab, (batch, length), generator=g)
+    mask = torch.ones(batch, length, dtype=torch.long)
+    for i, pad in enumerate(pad_lengths or [0] * batch):
+        mask[i, :pad] = 0
+        ids[i, :pad] = 0
+    return ids, mask
+
+
+@pytest.fixture
+def no_grad():
+    with torch.no_grad():
+        yield

@@ -1,0 +1,149 @@
+"""Two tiers: nothing lost, same answer as one tier, bounded device slots, promotions allocate nothing."""
+
+import math
+
+import pytest
+import torch
+from conftest import left_padded_batch, tiny_model
+
+from fc_hf import FlexiCache, FlexiCacheConfig, HeadProfile
+from fc_hf.cache import FlexiCache as _FC
+
+CFG = dict(page_size=4, token_budget=16, rerank_interval=5)
+
+
+class RecordingCache(_FC):
+    """A FlexiCache that also keeps every K/V it was given, like a DynamicCache fed the same states."""
+
+    def __init__(self, *a, **k):
+        super().__init__(*a, **k)
+        self.seen = {}
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        k, v = self.seen.get(layer_idx, (None, None))
+        self.seen[layer_idx] = (
+            key_states.clone() if k is None else torch.cat([k, key_states], 2),
+            value_states.clone() if v is None else torch.cat([v, value_states], 2),
+        )
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+
+def _forced_decode(model, cache, ids, mask, forced, on_step=None):
+    """Teacher-force `forced [B, T]` tokens one at a time; returns the per-step logits."""
+    logits = []
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+        for t in range(forced.shape[1]):
+            mask = torch.cat([mask, torch.ones(mask.shape[0], 1, dtype=mask.dtype)], 1)
+            out = model(input_ids=forced[:, t : t + 1], attention_mask=mask, past_key_values=cache, use_cache=True)
+            logits.append(out.logits[:, -1])
+            if on_step is not None:
+                on_step(t)
+    return torch.stack(logits, 1)
+
+
+def _profile(config):
+    return HeadProfile.from_unstable(config, [(0, 1), (1, 0)])  # every layer mixed
+
+
+def test_nothing_lost_every_step():
+    model = tiny_model("llama", layers=2)
+    cache = RecordingCache(model.config, FlexiCacheConfig(**CFG), _profile(model.config))
+    ids, mask = left_padded_batch(2, 45, pad_lengths=[0, 7])
+    forced = torch.randint(1, 97, (2, 60), generator=torch.Generator().manual_seed(3))
+
+    def check(step):
+        for idx, layer in enumerate(cache.layers):
+            k, v = layer.dense_kv()
+            assert torch.equal(k, cache.seen[idx][0]) and torch.equal(v, cache.seen[idx][1]), f"step {step} layer {idx}"
+            group = [g for g in layer.groups if g.kind == "stable"][0]
+            stable = group.store
+            # every full page of a stable head is on the host, and most are no longer on the device
+            assert stable.host_pages == stable.full_pages
+            full = stable.full_pages
+            host_keys = stable.host_k[:full].transpose(0, 1).reshape(stable.rows, -1, stable.head_dim)
+            seen_keys = cache.seen[idx][0][:, group.head_index].reshape(stable.rows, -1, stable.head_dim)
+            assert torch.equal(host_keys, seen_keys[:, : full * stable.page_size])
+            assert stable.slots_in_use() < stable.rows * stable.num_pages or stable.num_pages <= 4
+
+    _forced_decode(model, cache, ids, mask, forced, check)
+    assert cache.stats()["pages_promoted"] > 0  # promotions really happened
+
+
+def test_tiered_equals_single_tier_bit_for_bit():
+    """Same selections -> identical attention whether stable pages come from the host tier or not."""
+    model = tiny_model("qwen2", layers=2)
+    ids, mask = left_padded_batch(3, 33, pad_lengths=[0, 4, 9])
+    forced = torch.randint(1, 97, (3, 310), generator=torch.Generator().manual_seed(4))
+    runs = {}
+    for offload in (True, False):
+        cache = FlexiCache(model.config, FlexiCacheConfig(offload=offload, **CFG), _profile(model.config))
+        runs[offload] = (_forced_decode(model, cache, ids, mask, forced), cache)
+    assert torch.equal(runs[True][0], runs[False][0])
+    tiered, flat = runs[True][1].stats(), runs[False][1].stats()
+    assert tiered["reranks_stable"] == flat["reranks_stable"] >= 2 * (1 + 310 // 5)
+    assert tiered["pages_promoted"] > 0 and flat["pages_promoted"] == 0
+    assert runs[True][1].memory_report()["device_kv_bytes"] < runs[False][1].memory_report()["device_kv_bytes"]
+
+
+@pytest.mark.parametrize("promotion", ["sync", "deferred"])
+def test_slots_bounded_and_promotions_allocate_nothing(promotion):
+    model = tiny_model("llama", layers=1, kv_heads=3, heads=6)
+    profile = HeadProfile.from_unstable(model.config, [])
+    cfg = FlexiCacheConfig(promotion=promotion, **CFG)
+    cache = FlexiCache(model.config, cfg, profile)
+    ids, mask = left_padded_batch(2, 61)
+    forced = torch.randint(1, 97, (2, 80), generator=torch.Generator().manual_seed(5))
+    k, extra = cfg.pages_per_head, math.ceil(cfg.rerank_interval / cfg.page_size) + 1
+    sizes = []
+
+    def check(step):
+        store = cache.layers[0].groups[0].store
+        assert store.slots_in_use() <= store.rows * (k + extra + 1)
+        sizes.append(store.k_pool.shape[0])
+
+    _forced_decode(model, cache, ids, mask, forced, check)
+    assert len(set(sizes)) == 1  # the pool never grew: promotions and new pages reuse freed slots
+    st = cache.stats()
+    assert st["pages_promoted"] > 0
+    assert st["bytes_promoted"] == st["pages_promoted"] * cache.layers[0].groups[0].store.page_bytes  # exactly the promoted pages moved
+
+
+def test_deferred_promotion_keeps_everything():
+    model = tiny_model("llama", layers=2)
+    cache = RecordingCache(model.config, FlexiCacheConfig(promotion="deferred", **CFG), _profile(model.config))
+    ids, mask = left_padded_batch(1, 40)
+    forced = torch.randint(1, 97, (1, 40), generator=torch.Generator().manual_seed(6))
+    logits = _forced_decode(model, cache, ids, mask, forced)
+    assert torch.isfinite(logits).all()
+    for idx, layer in enumerate(cache.layers):
+        assert torch.equal(layer.dense_kv()[0], cache.seen[idx][0])
+
+
+def test_beam_search_keeps_tiers_consistent():
+    model = tiny_model("llama", layers=2)
+    ids, mask = left_padded_batch(2, 41, pad_lengths=[0, 5])
+    kw = dict(num_beams=3, max_new_tokens=25, do_sample=False, pad_token_id=0, return_dict_in_generate=True)
+    outs = {}
+    for offload in (True, False):
+        cache = FlexiCache(model.config, FlexiCacheConfig(offload=offload, **CFG), _profile(model.config))
+        with torch.no_grad():
+            outs[offload] = (model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, **kw), cache)
+    assert torch.equal(outs[True][0].sequences, outs[False][0].sequences)
+    for a, b in zip(outs[True][1].layers, outs[False][1].layers):
+        ka, va = a.dense_kv()
+        kb, vb = b.dense_kv()
+        assert torch.equal(ka, kb) and torch.equal(va, vb)
+
+
+@pytest.mark.cuda
+def test_cuda_tiers_match_cpu():
+    model = tiny_model("llama", layers=2)
+    ids, mask = left_padded_batch(2, 45, pad_lengths=[0, 7])
+    forced = torch.randint(1, 97, (2, 40), generator=torch.Generator().manual_seed(3))
+    cpu = _forced_decode(model, FlexiCache(model.config, FlexiCacheConfig(**CFG), _profile(model.config)), ids, mask, forced)
+    model = model.cuda()
+    cache = FlexiCache(model.config, FlexiCacheConfig(**CFG), _profile(model.config))
+    gpu = _forced_decode(model, cache, ids.cuda(), mask.cuda(), forced.cuda())
+    assert cache.layers[0].groups[-1].store.host_k.is_pinned()
+    torch.testing.assert_close(gpu.cpu(), cpu, rtol=1e-4, atol=1e-4)
