@@ -1,0 +1,112 @@
+"""`flexicache eval {fidelity,ruler,longbench,leval,summary}`: accuracy retention against dense.
+
+Examples:
+
+    flexicache eval fidelity --model smollm2-135m-instruct --budgets 1024,2048
+    flexicache eval ruler --model smollm2-135m-instruct --tasks niah_single_1,ruler_vt --limit 4
+    flexicache eval longbench --model smollm2-135m-instruct --data ./LongBench/data --limit 20
+    flexicache eval leval --model smollm2-135m-instruct --data ./LEval-data/Generation
+    flexicache eval summary --out results
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from .methods import METHODS
+
+__all__ = ["main", "build_parser"]
+
+
+def _csv(kind=str):
+    def parse(text: str):
+        return [kind(x) for x in text.split(",") if x.strip()]
+
+    return parse
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from .leval import DEFAULT_TASKS as LEVAL_TASKS
+    from .longbench import TASKS_EN
+    from .runner import RULER_TASKS
+
+    p = argparse.ArgumentParser(prog="flexicache eval", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
+    sub = p.add_subparsers(dest="command", required=True)
+
+    def common(sp, default_methods=",".join(METHODS)):
+        sp.add_argument("--model", default="smollm2-135m-instruct", help="bundled model name or a local model folder")
+        sp.add_argument("--methods", type=_csv(), default=_csv()(default_methods), help=f"comma list of {METHODS}")
+        sp.add_argument("--budgets", type=_csv(int), default=[1024], help="token budgets, comma list")
+        sp.add_argument("--profile", default=None,
+                        help="head profile file or bundled name (default: profiles/<model>.json, re-voted without "
+                             "the evaluated task when it records per-task sets; random fallback if none)")
+        sp.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+        sp.add_argument("--out", default="results", help="results root (one folder per configuration)")
+
+    f = sub.add_parser("fidelity", help="teacher-forced agreement with dense on real text (continue / recall)")
+    common(f)
+    f.add_argument("--prompt-tokens", type=int, default=4096)
+    f.add_argument("--forced-tokens", type=int, default=256)
+    f.add_argument("--distances", type=_csv(int), default=[2048, 3584], help="recall distances (tokens back)")
+    f.add_argument("--offsets", type=_csv(int), default=[0], help="character offsets into the text; a task set each")
+    f.add_argument("--kinds", type=_csv(), default=["continue", "recall"])
+    f.add_argument("--free-run", type=int, default=64, help="greedy tokens for the free-running agreement (0: off)")
+
+    r = sub.add_parser("ruler", help="lm-eval's offline RULER tasks")
+    common(r, "dense,flexicache,quest,no-rerank")
+    r.add_argument("--tasks", type=_csv(), default=["niah_single_1", "ruler_vt"], help=f"comma list of {RULER_TASKS}")
+    r.add_argument("--lengths", type=_csv(int), default=[4096])
+    r.add_argument("--limit", type=int, default=4, help="samples per task (0: all)")
+
+    lb = sub.add_parser("longbench", help="LongBench (hub THUDM/LongBench or --data folder of <task>.jsonl)")
+    common(lb)
+    lb.add_argument("--tasks", type=_csv(), default=list(TASKS_EN))
+    lb.add_argument("--data", default=None, help="folder of <task>.jsonl in LongBench's schema (offline)")
+    lb.add_argument("--limit", type=int, default=None)
+    lb.add_argument("--max-prompt-tokens", type=int, default=7500)
+    lb.add_argument("--prompt-file", default=None, help="JSON {task: template} replacing the built-in prompts")
+
+    le = sub.add_parser("leval", help="L-Eval open-ended tasks (hub L4NLP/LEval or --data folder)")
+    common(le)
+    le.add_argument("--tasks", type=_csv(), default=list(LEVAL_TASKS))
+    le.add_argument("--data", default=None, help="folder of <task>.jsonl in L-Eval's schema (offline)")
+    le.add_argument("--limit", type=int, default=None)
+    le.add_argument("--max-prompt-tokens", type=int, default=7500)
+    le.add_argument("--max-new-tokens", type=int, default=256)
+
+    s = sub.add_parser("summary", help="Markdown retention / fidelity tables and plots of a results folder")
+    s.add_argument("--out", default="results")
+    s.add_argument("--no-plots", action="store_true")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from . import runner
+
+    if args.command == "summary":
+        from .summary import write_summary
+
+        path = write_summary(args.out, plots=not args.no_plots)
+        print(path.read_text())
+        print(f"wrote {path}")
+        return 0
+    common = dict(methods=args.methods, budgets=args.budgets, out=args.out, profile_arg=args.profile, dtype=args.dtype)
+    if args.command == "fidelity":
+        res = runner.run_fidelity(args.model, prompt_tokens=args.prompt_tokens, forced_tokens=args.forced_tokens,
+                                  distances=args.distances, offsets=args.offsets, kinds=args.kinds,
+                                  free_run_tokens=args.free_run, **common)
+    elif args.command == "ruler":
+        res = runner.run_ruler(args.model, args.tasks, seq_lengths=args.lengths, limit=args.limit or None, **common)
+    elif args.command == "longbench":
+        res = runner.run_longbench(args.model, args.tasks, data=args.data, limit=args.limit,
+                                   max_prompt_tokens=args.max_prompt_tokens, prompt_file=args.prompt_file, **common)
+    else:
+        res = runner.run_leval(args.model, args.tasks, data=args.data, limit=args.limit,
+                               max_prompt_tokens=args.max_prompt_tokens, max_new_tokens=args.max_new_tokens, **common)
+    if not res:
+        print("nothing was run (no data reachable for the chosen tasks).")
+        return 1
+    print(f"results under {args.out}/; `flexicache eval summary --out {args.out}` tabulates them.")
+    return 0

@@ -1,0 +1,137 @@
+"""Results folders, profile resolution, an end-to-end fidelity run on a tiny model, summary, CLI."""
+
+import json
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from fc_hf.eval import runner, summary
+from fc_hf.eval.cli import build_parser
+from fc_hf.profile import HeadProfile
+
+TEXT = "".join(f"line {i}: the quick brown fox {i % 7} jumps over the lazy dog. " for i in range(300))
+
+
+class CharTokenizer:
+    pad_token_id = 0
+    eos_token_id = 1
+
+    def __call__(self, text, add_special_tokens=False):
+        return {"input_ids": [ord(c) % 96 for c in text]}
+
+    def decode(self, ids, skip_special_tokens=False):
+        return "".join(chr(i) for i in ids)
+
+
+def text_tokens(tokenizer, n, offset):
+    return tokenizer(TEXT[offset:offset + n])["input_ids"]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=512, pad_token_id=0, eos_token_id=1, bos_token_id=2)
+    return LlamaForCausalLM(cfg).eval()
+
+
+def test_rundir_resume_and_mismatch(tmp_path):
+    run = runner.RunDir(tmp_path / "r", {"bench": "x", "budget": 1024, "tasks": ["a"]})
+    run.append({"id": "a", "score": 1.0})
+    with open(run.predictions_file, "a") as f:
+        f.write('{"id": "b", "sco')  # a line cut by an interrupted write
+    again = runner.RunDir(tmp_path / "r", {"bench": "x", "budget": 1024, "tasks": ["a", "b"]})  # tasks may grow
+    assert again.done_ids() == {"a"}
+    assert json.loads((tmp_path / "r" / "config.json").read_text())["tasks"] == ["a", "b"]
+    with pytest.raises(ValueError, match="budget"):
+        runner.RunDir(tmp_path / "r", {"bench": "x", "budget": 2048})
+
+
+def test_resolve_profile_revotes_without_the_evaluated_task(tiny, tmp_path):
+    per_task = {"ruler_vt": [[0, 0], [1, 1]], "fidelity": [[0, 1]], "gov_report": [[0, 1], [1, 0]]}
+    prof = HeadProfile.from_unstable(tiny.config, [(0, 0), (1, 1)], extra={"per_task": per_task, "tasks": list(per_task)})
+    path = prof.save(tmp_path / "p.json")
+    got, note = runner.resolve_profile("tiny", tiny.config, "ruler_vt", str(path))
+    assert got.unstable == {(0, 1), (1, 0)}  # (0,1) has two votes, then (1,0); ruler_vt's own set is ignored
+    assert "excluded ['ruler_vt']" in note
+    got, _ = runner.resolve_profile("tiny", tiny.config, "fidelity", str(path))
+    assert (0, 1) in got.unstable and len(got.unstable) == 2
+
+
+def test_resolve_profile_without_per_task_sets_says_so(tiny, tmp_path):
+    path = HeadProfile.from_unstable(tiny.config, [(1, 0)], extra={"tasks": ["a"]}).save(tmp_path / "p.json")
+    got, note = runner.resolve_profile("tiny", tiny.config, "ruler_vt", str(path))
+    assert got.unstable == {(1, 0)} and "could not be excluded" in note
+
+
+def test_resolve_profile_fallback_is_marked(tiny):
+    got, note = runner.resolve_profile("no-such-model-xyz", tiny.config, "ruler_vt")
+    assert note == runner.FALLBACK_NOTE and len(got.unstable) == 1  # 25% of 4 heads
+    again, _ = runner.resolve_profile("no-such-model-xyz", tiny.config, "ruler_vt")
+    assert again.unstable == got.unstable  # deterministic
+
+
+def test_fidelity_run_end_to_end_resumes_and_summarizes(tiny, tmp_path, capsys):
+    kwargs = dict(methods=["dense", "no-rerank", "quest"], budgets=[32], out=tmp_path, prompt_tokens=160, forced_tokens=6,
+                  distances=(48,), free_run_tokens=3, model_bundle=(tiny, CharTokenizer(), None), text_tokens=text_tokens)
+    res = runner.run_fidelity("tiny", **kwargs)
+    assert set(res) == {"dense", "no-rerank-b32", "quest-b32"}
+    assert res["dense"]["score"] == 1.0
+    for name in ("no-rerank-b32", "quest-b32"):
+        s = res[name]["summary"]
+        assert set(s) == {"all", "continue", "recall"} and s["all"]["steps"] == 12
+        assert 0.0 <= s["all"]["agreement"] <= 1.0 and s["all"]["kl"] >= 0.0
+        assert 0 <= s["all"]["free_run_agreement"] <= 3
+    folder = tmp_path / "fidelity" / "tiny" / "p160-f6" / "quest-b32"
+    assert {p.name for p in folder.iterdir()} == {"config.json", "predictions.jsonl", "metrics.json"}
+    rows = [json.loads(l) for l in (folder / "predictions.jsonl").read_text().splitlines()]
+    assert [r["id"] for r in rows] == ["continue-o0", "recall-d48-o0"] and len(rows[0]["agree"]) == 6
+    # A second call finds everything done and appends nothing.
+    runner.run_fidelity("tiny", **kwargs)
+    assert len((folder / "predictions.jsonl").read_text().splitlines()) == 2
+
+    path = summary.write_summary(tmp_path, plots=True)
+    text = path.read_text()
+    assert "fidelity — tiny — p160-f6" in text and "| quest@32 |" in text and "| no-rerank@32 |" in text
+    assert (tmp_path / "agreement-tiny-p160-f6.png").stat().st_size > 1000
+
+
+def test_retention_table_and_plot(tmp_path):
+    rows = [
+        {"bench": "ruler", "model": "m", "setting": "a", "method": "dense", "budget": None, "score": 0.8},
+        {"bench": "ruler", "model": "m", "setting": "b", "method": "dense", "budget": None, "score": 0.0},
+        {"bench": "ruler", "model": "m", "setting": "a", "method": "flexicache", "budget": 1024, "score": 0.6},
+        {"bench": "ruler", "model": "m", "setting": "b", "method": "flexicache", "budget": 1024, "score": 0.0},
+        {"bench": "ruler", "model": "m", "setting": "a", "method": "flexicache", "budget": 2048, "score": 0.8},
+    ]
+    ret = summary.retention(rows)
+    assert ret["flexicache@1024"] == {"a": pytest.approx(0.75), "b": None}
+    table = summary.retention_table(rows)
+    lines = table.splitlines()
+    assert lines[0] == "| method | a | b | avg retention |"
+    assert lines[2].startswith("| dense |") and "| flexicache@1024 | 0.600 (0.750) | 0.000 (n/a) | 0.750 |" in table
+    assert "| flexicache@2048 | 0.800 (1.000) | — | 1.000 |" in table
+    png = summary.plot_retention(rows, tmp_path / "r.png", "t")
+    assert png.stat().st_size > 1000
+
+
+def test_cli_parses_lists():
+    args = build_parser().parse_args(["fidelity", "--methods", "dense,quest", "--budgets", "1024,2048", "--distances", "2048"])
+    assert args.methods == ["dense", "quest"] and args.budgets == [1024, 2048] and args.distances == [2048]
+    args = build_parser().parse_args(["ruler"])
+    assert args.tasks == ["niah_single_1", "ruler_vt"] and args.methods == ["dense", "flexicache", "quest", "no-rerank"]
+    with pytest.raises(ValueError, match="Unknown method"):
+        runner._method_runs(["dense", "h2o"], [1024])
+
+
+def test_longbench_run_offline_skips_missing_and_scores_fixture(tiny, tmp_path, capsys):
+    from pathlib import Path
+
+    data = Path(__file__).parent / "fixtures" / "longbench"
+    res = runner.run_longbench("tiny", ["passage_count", "qasper"], ["dense"], [64], tmp_path, data=str(data),
+                               max_prompt_tokens=64, model_bundle=(tiny, CharTokenizer(), None))
+    assert set(res) == {"passage_count"}  # qasper has no fixture: skipped with one line
+    assert "qasper" in capsys.readouterr().out
+    m = res["passage_count"]["dense"]
+    assert m["n"] == 1 and 0.0 <= m["score"] <= 100.0
