@@ -50,7 +50,7 @@ def test_rundir_resume_and_mismatch(tmp_path):
 
 def test_resolve_profile_revotes_without_the_evaluated_task(tiny, tmp_path):
     per_task = {"ruler_vt": [[0, 0], [1, 1]], "fidelity": [[0, 1]], "gov_report": [[0, 1], [1, 0]]}
-    prof = HeadProfile.from_unstable(tiny.config, [(0, 0), (1, 1)], extra={"per_task": per_task, "tasks": list(per_task)})
+    prof = HeadProfile.from_unstable(tiny.config, [(0, 0), (1, 1)], extra={"per_task_unstable": per_task, "tasks": list(per_task)})
     path = prof.save(tmp_path / "p.json")
     got, note = runner.resolve_profile("tiny", tiny.config, "ruler_vt", str(path))
     assert got.unstable == {(0, 1), (1, 0)}  # (0,1) has two votes, then (1,0); ruler_vt's own set is ignored
@@ -135,3 +135,17 @@ def test_longbench_run_offline_skips_missing_and_scores_fixture(tiny, tmp_path, 
     assert "qasper" in capsys.readouterr().out
     m = res["passage_count"]["dense"]
     assert m["n"] == 1 and 0.0 <= m["score"] <= 100.0
+
+
+def test_excluded_tasks_follow_shared_material():
+    profiler_tasks = ["kjv-continue", "kjv-recall", "kjv-summary", "ruler-niah", "ruler-vt"]
+    assert runner.excluded_tasks("fidelity", profiler_tasks) == ["kjv-continue", "kjv-recall"]
+    assert runner.excluded_tasks("niah_multikey_2", profiler_tasks) == ["ruler-niah"]
+    assert runner.excluded_tasks("ruler_vt", profiler_tasks) == ["ruler-vt"]
+    assert runner.excluded_tasks("hotpotqa", profiler_tasks) == []
+
+
+def test_resolve_profile_keeps_profile_when_no_task_shares_material(tiny, tmp_path):
+    prof = HeadProfile.from_unstable(tiny.config, [(0, 0)], extra={"per_task_unstable": {"ruler-vt": [[0, 0]]}})
+    got, note = runner.resolve_profile("tiny", tiny.config, "hotpotqa", str(prof.save(tmp_path / "p.json")))
+    assert got.unstable == {(0, 0)} and "none shares" in note
