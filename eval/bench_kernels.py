@@ -37,26 +37,32 @@ from fc_hf.kernels import reference
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def _timer(device: torch.device, cpu_iters: int):
-    """A function `fn -> milliseconds` suited to the device.
+def _timer(device: torch.device, cpu_iters: int, clock: str = "cpu"):
+    """A function `{name: fn} -> {name: milliseconds}` suited to the device.
 
-    CUDA: median of `triton.testing.do_bench` (L2 flushed before each run, so a batch-1 KV that fits
-    in L2 is not flattered). CPU: the minimum of `cpu_iters` runs after one warm-up, the figure least
-    disturbed by other processes on a shared machine.
+    CUDA: median of `triton.testing.do_bench` per function (L2 flushed before each run, so a batch-1
+    KV that fits in L2 is not flattered). CPU: `cpu_iters` rounds that run every function once each,
+    keeping each function's minimum; interleaving spreads other processes' bursts on a shared
+    machine evenly over the functions compared. `clock="cpu"` counts this process's CPU time
+    (`time.process_time`), which time slices given to other processes do not inflate; it equals
+    the work done only with one torch thread (with more it sums the threads, spin-waits included).
     """
+    now = time.process_time if clock == "cpu" else time.perf_counter
     if device.type == "cuda":
         from triton.testing import do_bench
 
-        return lambda fn: float(do_bench(fn, warmup=25, rep=100, return_mode="median"))
+        return lambda fns: {name: float(do_bench(fn, warmup=25, rep=100, return_mode="median")) for name, fn in fns.items()}
 
-    def cpu_time(fn):
-        fn()  # warm-up
-        samples = []
+    def cpu_time(fns):
+        for fn in fns.values():
+            fn()  # warm-up
+        best = {name: float("inf") for name in fns}
         for _ in range(cpu_iters):
-            t0 = time.perf_counter()
-            fn()
-            samples.append((time.perf_counter() - t0) * 1e3)
-        return min(samples)
+            for name, fn in fns.items():
+                t0 = now()
+                fn()
+                best[name] = min(best[name], (now() - t0) * 1e3)
+        return best
 
     return cpu_time
 
@@ -140,6 +146,24 @@ class Group:
         return self.attend()
 
 
+def _keep_large_allocations_on_heap() -> bool:
+    """glibc: serve large allocations from the heap instead of fresh mmaps (no page faults per call).
+
+    By default glibc maps every allocation above 32 MB anew and unmaps it on free, so a tensor that
+    size created each step (the torch path's page gather at batch 4, budget 2048) is page-faulted
+    in on every call. Returns whether `mallopt` was available.
+    """
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c"))
+        m_trim_threshold, m_mmap_threshold = -1, -3
+        return bool(libc.mallopt(m_mmap_threshold, 1 << 30)) and bool(libc.mallopt(m_trim_threshold, 1 << 30))
+    except (OSError, AttributeError):
+        return False
+
+
 def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.double(), b.double()
     return ((a - b).norm() / b.norm().clamp_min(1e-12)).item()
@@ -155,21 +179,25 @@ def bench_config(layer: Layer, budget: int, args, timer) -> dict:
     stable = Group(layer, stable_rows, k, backend)
 
     rec = {"batch": layer.batch, "context": layer.context, "budget": budget, "pages_per_head": k}
-    rec["dense_sdpa_gqa_ms"] = timer(layer.dense_sdpa_gqa)
-    rec["dense_sdpa_packed_ms"] = timer(layer.dense_sdpa_packed)
-    rec["dense_ms"] = min(rec["dense_sdpa_gqa_ms"], rec["dense_sdpa_packed_ms"])
+    fns = {
+        "dense_sdpa_gqa_ms": layer.dense_sdpa_gqa,
+        "dense_sdpa_packed_ms": layer.dense_sdpa_packed,
+        # Re-rank every head every step (Quest).
+        "rerank_all_select_ms": quest.select,
+        "rerank_all_attend_ms": quest.attend,
+        "rerank_all_step_ms": quest.step,  # measured in one piece, as a check on the sum below
+        # Stability-aware: unstable group ranks every step, stable group every R steps; both attend every step.
+        "unstable_select_ms": unstable.select,
+        "stable_select_ms": stable.select,
+        "groups_attend_ms": lambda: (unstable.attend(), stable.attend()),
+    }
     if layer.table.is_cuda and args.dense_paged:
-        every = Group(layer, all_rows, layer.num_pages, backend)
-        rec["dense_paged_ms"] = timer(every.attend)
-    # Re-rank every head every step (Quest).
-    rec["rerank_all_select_ms"] = timer(quest.select)
-    rec["rerank_all_attend_ms"] = timer(quest.attend)
-    rec["rerank_all_ms"] = timer(quest.step)
-    # Stability-aware: unstable group ranks every step, stable group every R steps; both attend every step.
-    rec["unstable_select_ms"] = timer(unstable.select)
-    rec["stable_select_ms"] = timer(stable.select)
-    rec["groups_attend_ms"] = timer(lambda: (unstable.attend(), stable.attend()))
+        fns["dense_paged_ms"] = Group(layer, all_rows, layer.num_pages, backend).attend
+    rec.update(timer(fns))
+    rec["dense_ms"] = min(rec["dense_sdpa_gqa_ms"], rec["dense_sdpa_packed_ms"])
     r = args.rerank_interval
+    # Both strategies are sums of separately timed parts, so they compare like with like.
+    rec["rerank_all_ms"] = rec["rerank_all_select_ms"] + rec["rerank_all_attend_ms"]
     rec["stable_aware_select_ms"] = rec["unstable_select_ms"] + rec["stable_select_ms"] / r
     rec["stable_aware_ms"] = rec["unstable_select_ms"] + rec["stable_select_ms"] / r + rec["groups_attend_ms"]
     rec["speedup_rerank_all"] = rec["dense_ms"] / rec["rerank_all_ms"]
@@ -195,7 +223,7 @@ def sanity_check(layer: Layer, backend: str | None) -> dict:
 
 def format_table(records: list[dict]) -> str:
     head = (
-        f"{'batch':>5} {'ctx':>6} {'budget':>6} | {'dense':>8} {'gqa':>8} {'paged':>8} | {'rerank-all':>10} "
+        f"{'batch':>5} {'ctx':>6} {'budget':>6} | {'sdpa-pk':>8} {'sdpa-gqa':>8} {'paged':>8} | {'rerank-all':>10} "
         f"{'stab-aware':>10} | {'dense/RA':>8} {'dense/SA':>8} {'RA/SA':>6} {'sel RA/SA':>9}"
     )
     lines = [head, "-" * len(head)]
@@ -208,8 +236,9 @@ def format_table(records: list[dict]) -> str:
             f"{r['stable_vs_rerank_all_select']:8.2f}x"
         )
     lines.append(
-        "times in ms per layer-step; dense = faster of SDPA packed / SDPA enable_gqa; RA = re-rank all heads every "
-        "step; SA = stability-aware (unstable heads every step, stable every R steps, amortised)"
+        "ms per layer-step. sdpa-pk: SDPA, GQA groups packed as query rows; sdpa-gqa: SDPA enable_gqa (HF); "
+        "paged: sparse kernel over every page (CUDA); dense = faster SDPA. RA: re-rank every head every step; "
+        "SA: stability-aware (unstable heads every step, stable every R steps, amortised); sel: scoring + top-K only"
     )
     return "\n".join(lines)
 
@@ -229,7 +258,9 @@ def _parse(argv):
     p.add_argument("--unstable-fraction", type=float, default=0.25)
     p.add_argument("--backend", choices=["auto", "torch", "triton"], default="auto")
     p.add_argument("--cpu-iters", type=int, default=7, help="timed repetitions per measurement on CPU (min is kept)")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--clock", choices=["cpu", "wall"], default="cpu", help="CPU runs: process CPU time or wall time")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default 1 with --clock cpu)")
+    p.add_argument("--heap-malloc", action="store_true", help="CPU: keep allocations up to 1 GB off mmap (glibc)")
     p.add_argument("--no-dense-paged", dest="dense_paged", action="store_false", help="skip the all-pages paged run")
     p.add_argument("--no-check", dest="check", action="store_false", help="skip the correctness sanity check")
     p.add_argument("--out", type=Path, default=None, help="write the records as JSON here")
@@ -239,6 +270,8 @@ def _parse(argv):
     args.context = args.context or ([10000] if cuda else [4096, 8192])
     args.batch = args.batch or ([1, 8, 16, 32, 40] if cuda else [1, 4])
     args.backend = None if args.backend == "auto" else args.backend
+    if not cuda and args.threads is None and args.clock == "cpu":
+        args.threads = 1
     return args
 
 
@@ -247,12 +280,15 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(args.device)
     if args.threads:
         torch.set_num_threads(args.threads)
+    heap_malloc = args.heap_malloc and _keep_large_allocations_on_heap()
     dtype = _DTYPES[args.dtype]
-    timer = _timer(device, args.cpu_iters)
+    timer = _timer(device, args.cpu_iters, args.clock)
     backend_used = kernels.backend_for(torch.empty(0, device=device), args.backend)
     meta = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
         "cpu_threads": torch.get_num_threads(),
+        "clock": "cuda events (do_bench)" if device.type == "cuda" else args.clock,
+        "heap_malloc": heap_malloc,
         "load_average": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
         "torch": torch.__version__,
         "dtype": args.dtype,
