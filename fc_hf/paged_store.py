@@ -103,7 +103,10 @@ class PagedKV:
 
     def _alloc(self, count: int) -> torch.Tensor:
         if count > self.n_free:
-            self._grow_pool(count - self.n_free + self.grow_pages * self.rows)
+            # Spare pages per row: ~1.5% of what is held, at most `grow_pages`, so the allocation
+            # tracks the real size closely and regrowth (a copy) stays rare.
+            spare = min(self.grow_pages, max(1, self.num_pages // 64))
+            self._grow_pool(count - self.n_free + spare * self.rows)
         self.n_free -= count
         return self.free[self.n_free : self.n_free + count].clone()
 
