@@ -14,7 +14,12 @@ head_dim 128). For every (batch, context, budget) it times:
 Run `python -m fc_hf.eval.bench_kernels --out results.json` (or `flexicache bench-kernels`). On CUDA
 the defaults are the paper's setting (bf16, 10k tokens, batch 1/8/16/32/40, budgets 1024/2048) and
 timings use `triton.testing.do_bench` (L2 flushed between runs); on CPU it runs the PyTorch path at
-small sizes (fp32, 4k/8k tokens, batch 1/4) and times with `perf_counter`.
+small sizes (fp32, 4k/8k tokens, batch 1/4), timing process CPU time on one thread (see `_timer`).
+
+On a GPU machine, kernel tests and this benchmark in one call (from the repository root):
+
+    pip install -q --no-deps --no-build-isolation -e . || { ln -s ../kernels fc_hf/kernels; ln -s ../eval fc_hf/eval; }
+    python -m pytest tests/test_kernels.py -q -m cuda -x && python -m fc_hf.eval.bench_kernels --out results/bench_kernels.json
 """
 
 from __future__ import annotations
