@@ -52,16 +52,20 @@ def test_full_budget_beam_search_matches(family, no_grad):
 
 
 def test_cache_spelling_and_sampling(no_grad):
-    """`cache=` (transformers >= 5.24) and sampling both work; same seed -> same sample as dense."""
+    """`cache=` (transformers >= 5.24; `past_key_values=` before) and sampling; same seed -> same sample as dense."""
+    import transformers
+    from packaging.version import Version
+
+    name = "cache" if Version(transformers.__version__) >= Version("5.24") else "past_key_values"
     model = tiny_model("llama")
     ids, mask = left_padded_batch(2, 21, pad_lengths=[0, 3])
     cfg = FlexiCacheConfig(page_size=4, token_budget=64)
     torch.manual_seed(5)
-    ref = model.generate(input_ids=ids, attention_mask=mask, cache=DynamicCache(config=model.config), do_sample=True,
-                         max_new_tokens=10, pad_token_id=0)
+    ref = model.generate(input_ids=ids, attention_mask=mask, **{name: DynamicCache(config=model.config)},
+                         do_sample=True, max_new_tokens=10, pad_token_id=0)
     torch.manual_seed(5)
-    out = model.generate(input_ids=ids, attention_mask=mask, cache=FlexiCache(model.config, cfg), do_sample=True,
-                         max_new_tokens=10, pad_token_id=0)
+    out = model.generate(input_ids=ids, attention_mask=mask, **{name: FlexiCache(model.config, cfg)},
+                         do_sample=True, max_new_tokens=10, pad_token_id=0)
     assert torch.equal(out, ref)
 
 
