@@ -43,6 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "the evaluated task when it records per-task sets; random fallback if none)")
         sp.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
         sp.add_argument("--out", default="results", help="results root (one folder per configuration)")
+        sp.add_argument("--threads", type=int, default=None, help="torch threads (1 is fastest on a shared CPU)")
 
     f = sub.add_parser("fidelity", help="teacher-forced agreement with dense on real text (continue / recall)")
     common(f)
@@ -92,6 +93,10 @@ def main(argv: list[str] | None = None) -> int:
         print(path.read_text())
         print(f"wrote {path}")
         return 0
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
     common = dict(methods=args.methods, budgets=args.budgets, out=args.out, profile_arg=args.profile, dtype=args.dtype)
     if args.command == "fidelity":
         res = runner.run_fidelity(args.model, prompt_tokens=args.prompt_tokens, forced_tokens=args.forced_tokens,
