@@ -11,6 +11,8 @@ the splits' partial outputs by their log-sum-exp.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -175,10 +177,15 @@ def _block_sizes(page_size: int, head_dim: int) -> tuple[int, int]:
     return page_pad, max(1, tokens // page_pad)
 
 
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
 def _default_splits(rows: int, entries: int, pages_per_block: int, device: torch.device) -> int:
     """Enough programs to fill the machine (about two per SM), never more splits than page blocks."""
     if device.type == "cuda":
-        target = 2 * torch.cuda.get_device_properties(device).multi_processor_count
+        target = 2 * _sm_count(device.index if device.index is not None else torch.cuda.current_device())
     else:
         target = 4  # the interpreter: small, but still exercises the combine pass
     blocks = triton.cdiv(entries, pages_per_block)
