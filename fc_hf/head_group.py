@@ -106,14 +106,15 @@ class HeadGroup:
                 self.pending = (new_sel, store.num_pages)
             else:
                 self._apply(new_sel, store.num_pages)
-        since = torch.arange(self.pages_at_rank, store.num_pages, device=store.device)
-        return torch.cat([self.sel, since.expand(self.sel.shape[0], since.numel())], dim=1)
+        return self._resident_pages()
 
     def _resident_pages(self) -> torch.Tensor:
-        """Pages on the device now, `[N, R]`."""
+        """Pages this group reads and holds on the device now: last top-K plus pages created since, `[N, R]`."""
         store = self.store
         if self.sel is None:  # right after prefill: everything is resident
             return torch.arange(store.num_pages, device=store.device).expand(store.rows, store.num_pages)
+        if self.pages_at_rank == store.num_pages:
+            return self.sel
         since = torch.arange(self.pages_at_rank, store.num_pages, device=store.device)
         return torch.cat([self.sel, since.expand(store.rows, since.numel())], dim=1)
 
@@ -167,7 +168,7 @@ class HeadGroup:
         with self._timed("gather_attention"):
             slots = store.slots_for(pages)
             if check:
-                store.check_resident(pages, slots)
+                store.check_resident(slots)
             out = kernels.sparse_decode_attention(
                 query, store.k_pool, store.v_pool, slots, pages, store.length, scaling,
                 token_valid, len(self.heads), softcap, backend=self.cfg.backend,

@@ -203,13 +203,12 @@ class PagedKV:
 
     # -- reading ---------------------------------------------------------------------------------
     def slots_for(self, page_idx: torch.Tensor) -> torch.Tensor:
-        """Device slots of `[N, M]` logical pages (-1 entries map to the null block)."""
-        slots = self.table.gather(1, page_idx.clamp(min=0))
-        return slots.masked_fill(page_idx < 0, 0)
+        """Device slots of `[N, M]` logical pages (all >= 0: head groups never select a missing page)."""
+        return self.table.gather(1, page_idx)
 
-    def check_resident(self, page_idx: torch.Tensor, slots: torch.Tensor) -> None:
+    def check_resident(self, slots: torch.Tensor) -> None:
         """Raise instead of attending over the null block when a selected page is not on the device."""
-        missing = (slots == 0) & (page_idx >= 0)
+        missing = slots == 0
         if bool(missing.any()):
             raise FlexiCacheError(
                 f"{int(missing.sum())} selected pages are not resident on the device; this is a FlexiCache bug "

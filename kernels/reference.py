@@ -97,9 +97,9 @@ def token_mask(
         `torch.Tensor` of shape `[N, M * page_size]`, bool.
     """
     n, m = page_idx.shape
-    pos = page_idx[:, :, None] * page_size + torch.arange(page_size, device=page_idx.device)
-    pos = pos.reshape(n, m * page_size)
-    ok = (pos >= 0) & (pos < seq_len) & (page_idx >= 0).repeat_interleave(page_size, dim=1)
+    pos = (page_idx[:, :, None] * page_size + torch.arange(page_size, device=page_idx.device)).view(n, m * page_size)
+    # An unused entry (-1) maps to negative positions, so one range check also drops it.
+    ok = (pos >= 0) & (pos < seq_len)
     if token_valid is not None:
         batch = torch.arange(n, device=page_idx.device) // rows_per_batch
         tv = token_valid[batch]  # [N, L]
@@ -149,8 +149,9 @@ def sparse_decode_attention(
     ok = token_mask(page_idx, page_size, seq_len, token_valid, rows_per_batch)
     logits = logits.masked_fill(~ok[:, None, :], NEG_INF)
     probs = torch.softmax(logits, dim=-1)
-    # A row with no attendable token (fully padded sequence) gets zeros, not NaN.
-    probs = torch.nan_to_num(probs, nan=0.0)
+    if token_valid is not None:
+        # A row with no attendable token (a fully padded sequence) gets zeros, not NaN.
+        probs = torch.nan_to_num(probs, nan=0.0)
     out = torch.matmul(probs.to(values.dtype), values)
     return out.to(query.dtype)
 
