@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 
 import torch
 from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLayer
@@ -71,7 +72,9 @@ class FlexiCache(Cache):
         self.cache_config = cfg
         self.profile = profile
         self.timings: dict | None = None
-        self.check_residency = True
+        # Checking that every selected page is resident costs a device sync per head group on CUDA:
+        # always on elsewhere, on CUDA only with FLEXICACHE_DEBUG=1 (or by setting this to True).
+        self.check_residency: bool | None = None
         self._mask_memo = None
         layers = []
         for idx, kind in enumerate(_layer_types(text)):
@@ -124,6 +127,11 @@ class FlexiCache(Cache):
                 f"This prefill needs {needed} device pages ({b} sequences x {t} tokens) but max_device_pages={bound}. "
                 "Raise max_device_pages, shorten the prompt, or use a smaller batch. The cache is still empty."
             )
+
+    def residency_check_for(self, device: torch.device) -> bool:
+        if self.check_residency is not None:
+            return self.check_residency
+        return device.type != "cuda" or os.environ.get("FLEXICACHE_DEBUG") == "1"
 
     def attn_implementation_hint(self) -> str:
         return "not 'flexicache'"

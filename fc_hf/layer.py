@@ -24,6 +24,13 @@ _NOT_FLEXICACHE = (
     "`fc_hf.register()`, or call `model.set_attn_implementation('flexicache')`."
 )
 
+# torch.compile (dynamo) cannot trace the paged store or the placeholder; refuse instead of failing deep inside dynamo.
+_NO_COMPILE = (
+    "FlexiCache does not work under torch.compile (its pages, block tables and tiers live outside the graph). "
+    "Run generate on the uncompiled model (do not wrap `model.forward` in torch.compile, and do not combine "
+    "FlexiCache with cache_implementation='static'); use StaticCache if you need a compiled decode."
+)
+
 
 class DecodePlaceholder(torch.Tensor):
     """Stands in for a layer's K/V at a decode step; only shape queries are allowed on it."""
@@ -32,6 +39,8 @@ class DecodePlaceholder(torch.Tensor):
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if torch.compiler.is_compiling():  # dynamo wrapping the placeholder after a graph break
+            raise FlexiCacheError(_NO_COMPILE)
         if getattr(func, "__name__", "") in _METADATA_OPS:
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **(kwargs or {}))
@@ -77,6 +86,8 @@ class FlexiCacheLayer(CacheLayerMixin):
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if torch.compiler.is_compiling():  # fullgraph=True traces into here
+            raise FlexiCacheError(_NO_COMPILE)
         t = key_states.shape[2]
         if self.pending:
             raise FlexiCacheError(_NOT_FLEXICACHE.format(impl=self.owner.attn_implementation_hint()))
@@ -169,6 +180,7 @@ class FlexiCacheLayer(CacheLayerMixin):
         q = query.view(b, self.num_kv_heads, groups, d)
         token_valid, page_valid_full = self.owner.padding_info(attention_mask, self.length, self.cfg.page_size)
         out = query.new_empty(b, self.num_kv_heads, groups, self.value_dim)
+        check = self.owner.residency_check_for(self.device)
         for group in self.groups:
             hg = len(group.heads)
             qg = q if hg == self.num_kv_heads else q.index_select(1, group.head_index)
@@ -176,7 +188,7 @@ class FlexiCacheLayer(CacheLayerMixin):
             page_valid = None
             if page_valid_full is not None:
                 page_valid = page_valid_full[:, None, :].expand(b, hg, -1).reshape(b * hg, -1)
-            og = group.attend(qg, self.steps, token_valid, page_valid, scaling, softcap, self.owner.check_residency)
+            og = group.attend(qg, self.steps, token_valid, page_valid, scaling, softcap, check)
             out.index_copy_(1, group.head_index, og.view(b, hg, groups, self.value_dim))
         return out.view(b, hq, self.value_dim).unsqueeze(1)
 
