@@ -192,7 +192,8 @@ class PagedKV:
         cap = 0 if self.host_k is None else self.host_k.shape[0]
         if pages <= cap:
             return
-        new_cap = pages + self.grow_pages
+        # Geometric growth: regrowing copies the whole host tier, so it must stay rare on long decodes.
+        new_cap = max(pages + self.grow_pages, cap + cap // 4)
         hk = self.transfers.host_empty((new_cap, self.rows, self.page_size, self.head_dim), self.dtype)
         hv = self.transfers.host_empty((new_cap, self.rows, self.page_size, self.value_dim), self.dtype)
         if self.host_k is not None:
