@@ -53,6 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--offsets", type=_csv(int), default=[0], help="character offsets into the text; a task set each")
     f.add_argument("--kinds", type=_csv(), default=["continue", "recall"])
     f.add_argument("--free-run", type=int, default=64, help="greedy tokens for the free-running agreement (0: off)")
+    f.add_argument("--cache-options", default=None,
+                   help="FlexiCacheConfig fields for every method, e.g. dense_layers=0:1 (names the run folders)")
 
     r = sub.add_parser("ruler", help="lm-eval's offline RULER tasks")
     common(r, "dense,flexicache,quest,no-rerank")
@@ -101,7 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "fidelity":
         res = runner.run_fidelity(args.model, prompt_tokens=args.prompt_tokens, forced_tokens=args.forced_tokens,
                                   distances=args.distances, offsets=args.offsets, kinds=args.kinds,
-                                  free_run_tokens=args.free_run, **common)
+                                  free_run_tokens=args.free_run, cache_options=runner.parse_cache_options(args.cache_options),
+                                  **common)
     elif args.command == "ruler":
         res = runner.run_ruler(args.model, args.tasks, seq_lengths=args.lengths, limit=args.limit or None, **common)
     elif args.command == "longbench":

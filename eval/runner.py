@@ -40,6 +40,25 @@ FALLBACK_NOTE = (
 
 
 # -- results folders -----------------------------------------------------------------------------------
+def _option_text(value) -> str:
+    return ":".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value)
+
+
+def parse_cache_options(text: str | None) -> dict[str, Any]:
+    """"dense_layers=0:1,rerank_interval=8" -> {"dense_layers": (0, 1), "rerank_interval": 8}."""
+    options: dict[str, Any] = {}
+    for item in filter(None, (text or "").split(",")):
+        key, _, value = item.partition("=")
+        if ":" in value or key.strip() in ("dense_layers",):
+            options[key.strip()] = tuple(int(v) for v in value.split(":") if v)
+        else:
+            try:
+                options[key.strip()] = int(value)
+            except ValueError:
+                options[key.strip()] = {"true": True, "false": False}.get(value.lower(), value)
+    return options
+
+
 def run_name(method: str, budget: int | None) -> str:
     return "dense" if method == "dense" else f"{method}-b{budget}"
 
@@ -226,13 +245,15 @@ def run_fidelity(
     model_name: str, methods: Sequence[str], budgets: Sequence[int], out: str | Path, prompt_tokens: int = 4096,
     forced_tokens: int = 256, distances: Sequence[int] = (2048, 3584), offsets: Sequence[int] = (0,),
     kinds: Sequence[str] = ("continue", "recall"), free_run_tokens: int = 64, profile_arg: str | None = None,
-    dtype: str = "float32", model_bundle=None, text_tokens=None,
+    dtype: str = "float32", model_bundle=None, text_tokens=None, cache_options: dict | None = None,
 ) -> dict[str, dict]:
     """Teacher-forced fidelity of each method against dense; returns {run name: metrics}.
 
     Tasks are the outer loop so that dense log-probs are computed once per task and shared by all
-    methods; every (method, budget) has its own results folder.
+    methods; every (method, budget) has its own results folder. `cache_options` (e.g.
+    `{"dense_layers": (0, 1)}`) set `FlexiCacheConfig` fields for every method and name the folders.
     """
+    from fc_hf.config import FlexiCacheConfig
     import torch
 
     from .fidelity import agreement_length, compare_steps, forced_logprobs, free_run, make_tasks, summarize
@@ -250,10 +271,12 @@ def run_fidelity(
     }
     runs = {}
     for method, budget in _method_runs(methods, budgets):
-        cfg = {**base_cfg, "method": method, "budget": budget,
+        cfg = {**base_cfg, "method": method, "budget": budget, "cache_options": cache_options or None,
                "profile": (profile_arg or "bundled-or-fallback") if method == "flexicache" else None,
                "profile_note": note if method == "flexicache" else None}
-        runs[(method, budget)] = RunDir(Path(out) / "fidelity" / cfg["model"] / setting / run_name(method, budget), cfg)
+        name = run_name(method, budget) + "".join(f"-{k}={_option_text(v)}" for k, v in sorted((cache_options or {}).items()))
+        runs[(method, budget)] = RunDir(Path(out) / "fidelity" / cfg["model"] / setting / name, cfg)
+    base = FlexiCacheConfig(**(cache_options or {}))
 
     dense_free: dict[str, list[int]] = {}
     for task in _progress(tasks, "fidelity tasks"):
@@ -272,18 +295,18 @@ def run_fidelity(
                 steps = compare_steps(dense, iter(dense), targets)
                 free_len = free_run_tokens if free_run_tokens else None
             else:
-                cache = make_cache(method, model, budget, profile)
+                cache = make_cache(method, model, budget, profile, base=base)
                 steps = compare_steps(dense, forced_logprobs(model, task, cache), targets)
                 free_len = None
                 if free_run_tokens:
-                    gen = free_run(model, task.prompt_ids, free_run_tokens, make_cache(method, model, budget, profile))
+                    gen = free_run(model, task.prompt_ids, free_run_tokens, make_cache(method, model, budget, profile, base=base))
                     free_len = agreement_length(gen, dense_free[task.name])
             run.append({"id": task.name, "kind": task.kind, "meta": task.meta, **steps,
                         "free_run_agreement": free_len, "seconds": round(time.time() - t0, 1)})
             summary = summarize(run.predictions())
             run.write_metrics({"score": summary["all"]["agreement"], "summary": summary})
     prepare_model(model, "dense")
-    return {run_name(m, b): json.loads((r.path / "metrics.json").read_text()) for (m, b), r in runs.items()
+    return {r.path.name: json.loads((r.path / "metrics.json").read_text()) for r in runs.values()
             if (r.path / "metrics.json").exists()}
 
 

@@ -149,3 +149,10 @@ def test_resolve_profile_keeps_profile_when_no_task_shares_material(tiny, tmp_pa
     prof = HeadProfile.from_unstable(tiny.config, [(0, 0)], extra={"per_task_unstable": {"ruler-vt": [[0, 0]]}})
     got, note = runner.resolve_profile("tiny", tiny.config, "hotpotqa", str(prof.save(tmp_path / "p.json")))
     assert got.unstable == {(0, 0)} and "none shares" in note
+
+
+def test_parse_cache_options():
+    assert runner.parse_cache_options("dense_layers=0:1,rerank_interval=8,offload=false") == {
+        "dense_layers": (0, 1), "rerank_interval": 8, "offload": False}
+    assert runner.parse_cache_options("dense_layers=0") == {"dense_layers": (0,)}
+    assert runner.parse_cache_options(None) == {}
