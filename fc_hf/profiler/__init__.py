@@ -8,6 +8,7 @@
 `flexicache profile --model ...` runs the whole pipeline and writes a `HeadProfile` (see profiles/README.md).
 """
 
+from .build import analyse, make_profile, profile_excluding
 from .metrics import (
     classify_heads,
     count_unstable,
@@ -23,6 +24,9 @@ from .trace import TRACE_ATTENTION, PageTracer, Trace, collect_trace, register_t
 
 __all__ = [
     "TRACE_ATTENTION",
+    "analyse",
+    "make_profile",
+    "profile_excluding",
     "PageTracer",
     "Trace",
     "classify_heads",

@@ -9,6 +9,7 @@ import torch
 from fc_hf.profile import HeadProfile
 
 from .metrics import (
+    classify_heads,
     count_unstable,
     heldout_recall,
     mean_overlap,
@@ -21,6 +22,9 @@ from .metrics import (
 from .trace import Trace
 
 RCO_MAX_OFFSET = 32
+# Fields of a full profile that describe all its tasks together; a leave-task-out profile drops them.
+STALE_WITHOUT_TASKS = ("overlap", "heldout_recall", "mean_ts", "unstable_counts", "windows", "sample_overlap",
+                       "mean_ts_spearman", "rco_by_offset", "plot_layer")
 
 
 def _nested(t: torch.Tensor, digits: int | None = None) -> list:
@@ -82,6 +86,17 @@ def analyse(traces: Mapping[str, Sequence[Trace]], window: int = 16, unstable_fr
     unstable = select_unstable(total["counts"], total["ts_sum"] / total["ts_n"], n)  # == classify_heads(all_ts)
     names = list(tasks)
     overlap = overlap_matrix([tasks[t]["unstable"] for t in names])
+    # Is stability a head property? Compare per-sample sets within vs across tasks, and rank-correlate
+    # per-head mean TS between tasks; a random set of the same size overlaps by n / heads on average.
+    sample_sets = [(task, classify_heads([x], unstable_fraction)) for task, xs in ts.items() for x in xs]
+    within, across = [], []
+    for i in range(len(sample_sets)):
+        for j in range(i + 1, len(sample_sets)):
+            o = len(sample_sets[i][1] & sample_sets[j][1]) / max(n, 1)
+            (within if sample_sets[i][0] == sample_sets[j][0] else across).append(o)
+    task_means = torch.stack([(t["ts_sum"] / t["ts_n"]).reshape(-1) for t in
+                              (count_unstable(xs, unstable_fraction) for xs in ts.values())])
+    spearman = _spearman(task_means)
     rcos = [rco_by_offset(t.topk, t.num_pages, RCO_MAX_OFFSET) for samples in traces.values() for t in samples]
     return {
         "unstable": unstable,
@@ -96,7 +111,20 @@ def analyse(traces: Mapping[str, Sequence[Trace]], window: int = 16, unstable_fr
         "mean_overlap": mean_overlap(overlap),
         "heldout": heldout_recall(all_ts, unstable_fraction, seed) if total["windows"] >= 2 else None,
         "rco": torch.stack(rcos).nanmean(0),
+        "chance_overlap": n / (layers * heads),
+        "sample_overlap": {"within_task": sum(within) / len(within) if within else None,
+                           "across_tasks": sum(across) / len(across) if across else None,
+                           "pairs_within": len(within), "pairs_across": len(across)},
+        "ts_spearman": spearman,
     }
+
+
+def _spearman(rows: torch.Tensor) -> torch.Tensor:
+    """Spearman rank correlation between the rows of `[T, M]` (average ranks are not needed: TS ties are rare)."""
+    ranks = rows.double().argsort(dim=1).argsort(dim=1).double()
+    ranks = ranks - ranks.mean(dim=1, keepdim=True)
+    ranks = ranks / ranks.norm(dim=1, keepdim=True)
+    return (ranks @ ranks.T).float()
 
 
 def make_profile(config, analysis: dict, settings: dict, model_id: str | None = None, revision: str | None = None) -> HeadProfile:
@@ -113,11 +141,17 @@ def make_profile(config, analysis: dict, settings: dict, model_id: str | None = 
         "mean_ts": _nested(analysis["mean_ts"], 4),
         "unstable_counts": _nested(analysis["counts"]),
         "tasks": tasks,
+        # plain task -> [[layer, head], ...] view of the per-task sets, for tools that re-vote without a task
+        "per_task_unstable": {name: entry["unstable"] for name, entry in tasks.items()},
         "overlap": {
             "tasks": analysis["overlap_tasks"],
             "matrix": _nested(analysis["overlap"], 4),
             "mean": round(analysis["mean_overlap"], 4) if analysis["mean_overlap"] == analysis["mean_overlap"] else None,
+            "chance": round(analysis["chance_overlap"], 4),
         },
+        "sample_overlap": analysis["sample_overlap"],
+        "mean_ts_spearman": {"tasks": analysis["overlap_tasks"], "matrix": _nested(analysis["ts_spearman"], 4),
+                             "mean": round(mean_overlap(analysis["ts_spearman"]), 4) if len(analysis["overlap_tasks"]) > 1 else None},
         "heldout_recall": analysis["heldout"],
         "rco_by_offset": {"offsets": list(range(1, analysis["rco"].shape[0] + 1)),
                           "mean_over_samples": [_nested(r, 4) for r in analysis["rco"]]},
@@ -144,8 +178,9 @@ def profile_excluding(profile: HeadProfile, exclude: Iterable[str]) -> HeadProfi
         raise ValueError("excluding every task leaves nothing to build a profile from")
     n = profile.extra.get("n_unstable", len(profile.unstable))
     unstable = _set_from_tallies(list(keep.values()), n)
-    extra = {k: v for k, v in profile.extra.items() if k not in ("overlap", "heldout_recall", "mean_ts", "unstable_counts")}
+    extra = {k: v for k, v in profile.extra.items() if k not in STALE_WITHOUT_TASKS}
     extra["tasks"] = keep
+    extra["per_task_unstable"] = {name: entry["unstable"] for name, entry in keep.items()}
     extra["samples"] = {name: entry.get("samples") for name, entry in keep.items()}
     extra["derived_from"] = {"excluded_tasks": sorted(exclude), "full_profile_tasks": sorted(per_task)}
     names = list(keep)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import shlex
 import sys
 from pathlib import Path
@@ -75,6 +76,38 @@ def _load_model(name: str, dtype):
     return model, AutoTokenizer.from_pretrained(name)
 
 
+def _model_folder(name: str):
+    """Local folder of a bundled model name (without converting anything), or None."""
+    try:
+        from fc_hf import assets
+    except ImportError:
+        return None
+    if name in getattr(assets, "MODELS", {}):
+        return assets.model_path(name)
+    return None
+
+
+def _load_config(name: str):
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(str(_model_folder(name) or name))
+
+
+def _identity(name: str, config) -> tuple[str, str | None, dict]:
+    """(model_id, revision, source) recorded in the profile: the hub id and the exact weights when known."""
+    folder = _model_folder(name)
+    marker = folder / "flexicache_asset.json" if folder else None
+    if marker is not None and marker.is_file():
+        info = json.loads(marker.read_text())
+        revision = f"{' '.join(info.get('source', []))} {info.get('gguf_file', '')} sha256:{info.get('gguf_sha256', '?')}"
+        return info.get("hub_id") or name, revision.strip(), {"bundled_name": name, **info}
+    return name, getattr(config, "_commit_hash", None), {}
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
 def _pick_layer(mean_ts) -> int:
     spread = mean_ts.amax(1) - mean_ts.amin(1)
     return int(spread.nan_to_num(-1).argmax())
@@ -108,20 +141,30 @@ def main(argv: list[str] | None = None) -> int:
         print(f"--budget ({args.budget}) must be a multiple of --page-size ({args.page_size})", file=sys.stderr)
         return 2
     dtype = getattr(torch, args.dtype)
-    model, tokenizer = _load_model(args.model, dtype)
-
+    command = "flexicache profile " + shlex.join(sys.argv[1:] if argv is None else argv)
     traces: dict[str, list[Trace]] = {t: [] for t in tasks}
     if args.from_traces:
+        config = _load_config(args.model)
         for task in tasks:
             files = sorted(Path(args.from_traces).glob(f"{task}-*.pt"))
             if not files:
                 print(f"no traces for {task} in {args.from_traces}", file=sys.stderr)
                 return 2
             traces[task] = [Trace.load(f) for f in files[: args.samples]]
+            k = {t.topk.shape[-1] for t in traces[task]}
+            if k != {args.budget // args.page_size}:
+                print(f"traces of {task} hold K={sorted(k)} pages per head, but --budget/--page-size give "
+                      f"{args.budget // args.page_size}; pass the settings they were made with", file=sys.stderr)
+                return 2
+        run_info = Path(args.from_traces) / "run.json"
+        trace_run = json.loads(run_info.read_text()) if run_info.is_file() else None
     else:
+        model, tokenizer = _load_model(args.model, dtype)
+        config = model.config
         trace_dir = Path(args.trace_dir) if args.trace_dir else None
         if trace_dir:
             trace_dir.mkdir(parents=True, exist_ok=True)
+            (trace_dir / "run.json").write_text(json.dumps({"command": command, "started": _now()}, indent=1) + "\n")
         steps = tqdm(total=len(tasks) * args.samples * args.new_tokens, desc="decode steps", unit="tok")
         # sample-major order: if a long run is stopped early, --from-traces still has every task
         for i in range(args.samples):
@@ -151,14 +194,20 @@ def main(argv: list[str] | None = None) -> int:
         "dtype": args.dtype,
         "seed": args.seed,
         "prompts": "generated offline by fc_hf.profiler.tasks (KJV text, RULER-style needles); greedy dense decoding, EOS suppressed",
-        "command": "flexicache profile " + shlex.join(sys.argv[1:] if argv is None else argv),
-        "created": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "command": command,
+        "created": _now(),
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
     }
     plot_layer = args.plot_layer if args.plot_layer is not None else _pick_layer(analysis["mean_ts"])
     settings["plot_layer"] = plot_layer
-    profile = make_profile(model.config, analysis, settings, model_id=args.model,
-                           revision=getattr(model.config, "_commit_hash", None))
+    model_id, revision, source = _identity(args.model, config)
+    if source:
+        settings["model_source"] = source
+    if args.from_traces:
+        settings["built_from_traces"] = str(args.from_traces)
+        if trace_run:
+            settings["trace_command"] = trace_run.get("command")
+    profile = make_profile(config, analysis, settings, model_id=model_id, revision=revision)
     out = profile.save(args.out)
 
     if (args.plots_dir or "").lower() != "none":
@@ -178,6 +227,14 @@ def main(argv: list[str] | None = None) -> int:
     for name, row in zip(names, analysis["overlap"].tolist()):
         print(f"  {name:14s} " + " ".join(f"{x:.2f}" for x in row))
     print(f"mean cross-task overlap: {analysis['mean_overlap']:.3f}")
+    print(f"(a random set of {analysis['n_unstable']} heads overlaps by {analysis['chance_overlap']:.3f} on average)")
+    so = analysis["sample_overlap"]
+    if so["within_task"] is not None and so["across_tasks"] is not None:
+        print(f"per-sample sets: mean overlap {so['within_task']:.3f} within a task, {so['across_tasks']:.3f} across tasks")
+    if len(names) > 1:
+        from .metrics import mean_overlap
+
+        print(f"per-head mean TS, Spearman between tasks: mean {mean_overlap(analysis['ts_spearman']):.3f}")
     if analysis["heldout"]:
         h = analysis["heldout"]
         print(f"held-out recall: set {h['set_recall']:.3f}, window {h['window_recall']:.3f} (chance {h['chance']:.3f})")

@@ -91,7 +91,7 @@ def plot_ts_by_layer(ts: Mapping[str, Sequence[torch.Tensor]], unstable: set, pa
     ax.set_ylabel("temporal stability TS (window)")
     ax.set_xticks(range(0, layers, max(1, layers // 15)))
     ax.set_ylim(0, 1.02)
-    ax.set_title(title or "TS per layer: boxes = windows x heads, dots = head means (red = unstable)")
+    ax.set_title(title or "Temporal stability per layer\nboxes: windows x heads; dots: head means (red = unstable)", fontsize=10)
     ax.grid(alpha=0.3, axis="y")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
