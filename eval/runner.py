@@ -327,9 +327,10 @@ def run_ruler(
     model, tok, folder = model_bundle or load_model(model_name, dtype)
     results = {}
     for task in tasks:
-        profile, note = resolve_profile(model_name, model.config, task, profile_arg)
         for length in seq_lengths:
             for method, budget in _method_runs(methods, budgets):
+                # Resolved per run, so a long sweep picks up a profile that lands meanwhile.
+                profile, note = resolve_profile(model_name, model.config, task, profile_arg)
                 cfg = {"bench": "ruler", "model": Path(model_name).name, "setting": f"{task}-{length}", "task": task,
                        "seq_length": int(length), "limit": limit, "dtype": dtype, "method": method, "budget": budget,
                        "profile_note": note if method == "flexicache" else None}
