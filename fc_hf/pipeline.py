@@ -1,0 +1,139 @@
+"""A text-generation pipeline that gives every call a fresh `FlexiCache`.
+
+A FlexiCache serves exactly one `generate` call, but the stock `text-generation` pipeline forwards
+one `past_key_values` object to every call. `FlexiCacheTextGenerationPipeline` builds a new cache
+inside each forward pass instead (one per batch of prompts), so a pipeline user gets FlexiCache in
+one line:
+
+    >>> from fc_hf import FlexiCacheConfig, flexicache_pipeline
+    >>> pipe = flexicache_pipeline("path/to/model", cache_config=FlexiCacheConfig(token_budget=1024))
+    >>> pipe("Once upon a time", max_new_tokens=32, do_sample=False)[0]["generated_text"]
+"""
+
+from __future__ import annotations
+
+import inspect
+
+from transformers import AutoModelForCausalLM, PreTrainedModel, pipeline
+from transformers.pipelines import PIPELINE_REGISTRY, TextGenerationPipeline
+
+from .attention import NAME, register
+from .cache import FlexiCache
+from .config import FlexiCacheConfig
+from .profile import HeadProfile
+
+TASK = "flexicache-text-generation"
+
+
+def cache_kwarg(model) -> str:
+    """The name `model.forward`/`generate` take a cache under: "cache" from transformers 5.24, else "past_key_values"."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+class FlexiCacheTextGenerationPipeline(TextGenerationPipeline):
+    """The stock `TextGenerationPipeline`, with a fresh `FlexiCache` for every `generate` call.
+
+    Args:
+        cache_config (`FlexiCacheConfig`, *optional*): settings of every cache; defaults to `FlexiCacheConfig()`.
+        profile (`HeadProfile`, *optional*): unstable heads; None treats every head as unstable (Quest).
+        *args, **kwargs: as for `TextGenerationPipeline`.
+
+    After a call, `last_stats` and `last_memory_report` hold that call's `FlexiCache.stats()` and
+    `memory_report()`; the cache itself is not kept, so its memory is freed with the call.
+    """
+
+    def __init__(self, *args, cache_config: FlexiCacheConfig | None = None, profile: HeadProfile | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        if cache_config is not None and not isinstance(cache_config, FlexiCacheConfig):
+            raise TypeError(f"cache_config must be a FlexiCacheConfig, got {type(cache_config).__name__}.")
+        self.cache_config = cache_config or FlexiCacheConfig()
+        self.profile = profile
+        if profile is not None:
+            profile.check(self.model.config)  # fail at construction, not at the first call
+        impl = getattr(self.model.config, "_attn_implementation", None)
+        if impl != NAME:
+            raise ValueError(
+                f"The pipeline's model uses attn_implementation={impl!r}; FlexiCache needs 'flexicache'. Call "
+                "`fc_hf.register()` and load it with attn_implementation='flexicache' (flexicache_pipeline does this)."
+            )
+        self.last_stats: dict | None = None
+        self.last_memory_report: dict | None = None
+
+    def _forward(self, model_inputs, **generate_kwargs):
+        given = [k for k in ("cache", "past_key_values") if generate_kwargs.get(k) is not None]
+        if given:
+            raise ValueError(
+                f"{type(self).__name__} builds a fresh FlexiCache for every call; do not pass {given[0]}=. Set "
+                "cache_config/profile on the pipeline instead."
+            )
+        cache = FlexiCache(self.model.config, self.cache_config, self.profile)
+        generate_kwargs[cache_kwarg(self.model)] = cache
+        out = super()._forward(model_inputs, **generate_kwargs)
+        self.last_stats, self.last_memory_report = cache.stats(), cache.memory_report()
+        return out
+
+
+def register_pipeline() -> str:
+    """Register the task "flexicache-text-generation" with transformers (idempotent); returns its name.
+
+    Afterwards `transformers.pipeline("flexicache-text-generation", model=..., cache_config=..., profile=...)`
+    works like `flexicache_pipeline` for a model already loaded with attn_implementation="flexicache".
+    """
+    register()
+    if PIPELINE_REGISTRY.supported_tasks.get(TASK, {}).get("impl") is not FlexiCacheTextGenerationPipeline:
+        PIPELINE_REGISTRY.register_pipeline(
+            TASK, pipeline_class=FlexiCacheTextGenerationPipeline, pt_model=AutoModelForCausalLM, type="text"
+        )
+    return TASK
+
+
+def flexicache_pipeline(
+    model,
+    tokenizer=None,
+    cache_config: FlexiCacheConfig | None = None,
+    profile: HeadProfile | str | None = None,
+    model_kwargs: dict | None = None,
+    **pipeline_kwargs,
+) -> FlexiCacheTextGenerationPipeline:
+    """A `text-generation` pipeline whose every call generates with a fresh `FlexiCache`.
+
+    Args:
+        model (`str | os.PathLike | PreTrainedModel`): a model folder or hub name (loaded with
+            attn_implementation="flexicache"), or a loaded causal LM. A loaded model not already on
+            "flexicache" is switched to it with `set_attn_implementation` (layers FlexiCache does not
+            manage, and any other cache, still use sdpa).
+        tokenizer (`str | PreTrainedTokenizerBase`, *optional*): defaults to the model's own.
+        cache_config (`FlexiCacheConfig`, *optional*): settings of every cache.
+        profile (`HeadProfile | str`, *optional*): a profile, or a path/bundled name for `HeadProfile.load`.
+        model_kwargs (`dict`, *optional*): extra `from_pretrained` arguments when `model` is a path
+            (e.g. `{"dtype": torch.bfloat16, "device_map": "auto"}`).
+        **pipeline_kwargs: passed to `transformers.pipeline` (e.g. `device`, `batch_size`, generation defaults).
+
+    Returns:
+        `FlexiCacheTextGenerationPipeline`: call it like any text-generation pipeline.
+
+    Example:
+        >>> pipe = flexicache_pipeline(path, cache_config=FlexiCacheConfig(token_budget=1024), profile="smollm2-135m-instruct")
+        >>> pipe(["a long prompt ...", "another one"], max_new_tokens=64, do_sample=False, batch_size=2)
+    """
+    register()
+    if isinstance(model, PreTrainedModel):
+        if getattr(model.config, "_attn_implementation", None) != NAME:
+            model.set_attn_implementation(NAME)
+        if model_kwargs:
+            raise ValueError("model_kwargs only apply when `model` is a path; the model is already loaded.")
+    else:
+        if tokenizer is None:
+            tokenizer = str(model)
+        model = AutoModelForCausalLM.from_pretrained(model, attn_implementation=NAME, **(model_kwargs or {}))
+    if isinstance(profile, str) or hasattr(profile, "__fspath__"):
+        profile = HeadProfile.load(profile, model.config)
+    return pipeline(
+        "text-generation",
+        model=model,
+        tokenizer=tokenizer,
+        pipeline_class=FlexiCacheTextGenerationPipeline,
+        cache_config=cache_config,
+        profile=profile,
+        **pipeline_kwargs,
+    )
