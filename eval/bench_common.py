@@ -1,0 +1,246 @@
+"""Shared pieces of the benchmark suite: model shapes, head profiles, cache factories, timers, RSS.
+
+Every benchmark builds its models from a config (random weights, seeded), so it needs no download
+and runs at any length. Decode speed does not depend on the weights' values, so a random-weight
+model of a real model's shape times the same as the real one.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import inspect
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+# The models of the suite. "smollm2" is SmolLM2-135M's exact shape; "llama8b" keeps Llama-3.1-8B's
+# attention *and* per-layer MLP shape but only `layers` decoder layers (and a 32k vocabulary), so
+# the ratio of KV bytes to weight bytes per layer is the real model's. "smollm2-tiny" has SmolLM2's
+# attention shape (30 layers x 3 KV heads x 64) with a tiny hidden/MLP size, for memory sweeps to 32k.
+SHAPES = {
+    "smollm2": dict(
+        vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+        num_key_value_heads=3, head_dim=64, tie_word_embeddings=True, rope_theta=100000.0, rms_norm_eps=1e-5,
+    ),
+    "llama8b": dict(
+        vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=2, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=128, tie_word_embeddings=False, rope_theta=500000.0, rms_norm_eps=1e-5,
+    ),
+    "smollm2-tiny": dict(
+        vocab_size=256, hidden_size=72, intermediate_size=64, num_hidden_layers=30, num_attention_heads=9,
+        num_key_value_heads=3, head_dim=64, tie_word_embeddings=True, rope_theta=100000.0,
+    ),
+    # For smoke tests only.
+    "tiny": dict(
+        vocab_size=97, hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, tie_word_embeddings=True,
+    ),
+}
+
+SHIPPED_PROFILE = Path(__file__).resolve().parent.parent / "profiles" / "smollm2-135m-instruct.json"
+
+
+def model_config(name: str, max_positions: int = 65536, layers: int | None = None):
+    """A `LlamaConfig` of one of `SHAPES`, with room for `max_positions` positions."""
+    from transformers import LlamaConfig
+
+    kw = dict(SHAPES[name])
+    if layers is not None:
+        kw["num_hidden_layers"] = layers
+    return LlamaConfig(max_position_embeddings=max_positions, **kw)
+
+
+def build_model(config, dtype=torch.float32, device="cpu", seed: int = 0):
+    """A random-weight causal LM of `config` in eval mode (FlexiCache's attention registered)."""
+    from transformers import AutoModelForCausalLM
+
+    from fc_hf import register
+
+    register()
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return model.eval()
+
+
+def spread_profile(config, fraction: float = 0.25, model_id: str | None = None):
+    """A `HeadProfile` marking `round(fraction * layers * kv_heads)` heads unstable, spread evenly.
+
+    Head i of the flattened (layer, kv_head) order is unstable when it is the `floor(j / fraction)`-th
+    for some j, so every layer region gets its share and the head index varies from layer to layer.
+    """
+    from fc_hf import HeadProfile
+    from fc_hf.profile import attention_shape
+
+    layers, kv_heads, _ = attention_shape(config)
+    total = layers * kv_heads
+    count = int(round(fraction * total))
+    picks = {min(total - 1, int(j * total / count)) for j in range(count)} if count else set()
+    pairs = [(i // kv_heads, i % kv_heads) for i in sorted(picks)]
+    return HeadProfile.from_unstable(config, pairs, model_id=model_id or "synthetic-spread",
+                                     extra={"source": f"spread_profile(fraction={fraction})"})
+
+
+def bench_profile(config, fraction: float = 0.25, prefer_shipped: bool = True):
+    """The shipped SmolLM2 profile when it exists and fits `config`, else `spread_profile`; plus a label."""
+    from fc_hf import HeadProfile
+    from fc_hf.errors import ProfileError
+
+    if prefer_shipped and SHIPPED_PROFILE.exists():
+        try:
+            return HeadProfile.load(SHIPPED_PROFILE, config), f"shipped {SHIPPED_PROFILE.name}"
+        except ProfileError:
+            pass
+    prof = spread_profile(config, fraction)
+    return prof, f"spread {len(prof.unstable)}/{prof.num_layers * prof.num_kv_heads} heads"
+
+
+def unstable_share(profile, config) -> float:
+    from fc_hf.profile import attention_shape
+
+    layers, kv_heads, _ = attention_shape(config)
+    return 1.0 if profile is None else len(profile.unstable) / (layers * kv_heads)
+
+
+def make_cache(method: str, config, budget: int, profile, **overrides):
+    """A fresh cache for `method`: "dense" (DynamicCache), "quest" (FlexiCache, every head unstable,
+    one tier), "flexicache" (FlexiCache with `profile`, host tier on)."""
+    from transformers import DynamicCache
+
+    from fc_hf import FlexiCache, FlexiCacheConfig
+
+    if method == "dense":
+        return DynamicCache(config=config)
+    if method == "offload":  # transformers' own whole-layer CPU offloading (CUDA only)
+        return DynamicCache(config=config, offloading=True)
+    if method == "quest":
+        return FlexiCache(config, FlexiCacheConfig(token_budget=budget, offload=False, **overrides), None)
+    if method == "flexicache":
+        return FlexiCache(config, FlexiCacheConfig(token_budget=budget, **overrides), profile)
+    raise ValueError(f"unknown method {method!r}")
+
+
+def attn_impl(method: str) -> str:
+    return "sdpa" if method in ("dense", "offload") else "flexicache"
+
+
+def cache_kwarg(model) -> str:
+    """The name `model.forward` takes the cache under ("cache" from transformers 5.24, else "past_key_values")."""
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def ingest_random_kv(cache, config, batch: int, length: int, dtype=torch.float32, device="cpu", seed: int = 1):
+    """Fill `cache` as a prefill of `length` tokens would, with random K/V, one layer at a time.
+
+    A real prefill calls `cache.update(k, v, layer)` once per layer with `[B, Hkv, L, D]` tensors;
+    this does exactly that, without running the model over `length` tokens (minutes on a CPU at 32k).
+    Only one layer's K/V exists outside the cache at any time, as in a real prefill.
+    """
+    from fc_hf.profile import attention_shape
+
+    layers, kv_heads, head_dim = attention_shape(config)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    for layer in range(layers):
+        k = torch.randn(batch, kv_heads, length, head_dim, generator=gen, device=device, dtype=torch.float32).to(dtype)
+        v = torch.randn(batch, kv_heads, length, head_dim, generator=gen, device=device, dtype=torch.float32).to(dtype)
+        cache.update(k, v, layer)
+        del k, v
+
+
+def decode_step(model, cache, kwarg: str, token: torch.Tensor, position: int) -> torch.Tensor:
+    """One greedy decode step at absolute `position`; returns the next token `[B, 1]`."""
+    pos = torch.tensor([position], device=token.device)
+    out = model(input_ids=token, use_cache=True, cache_position=pos, logits_to_keep=1, **{kwarg: cache})
+    return out.logits[:, -1:].argmax(-1)
+
+
+# -- memory -------------------------------------------------------------------------------------
+def _status_kb(field: str) -> int | None:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+def release_memory() -> None:
+    """Collect garbage and hand freed heap pages back to the OS, so the next case starts clean."""
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except OSError:
+        pass
+
+
+class PeakRSS:
+    """Peak resident memory of a block, relative to the RSS at its start (Linux: VmHWM reset via clear_refs)."""
+
+    def __enter__(self):
+        release_memory()
+        try:
+            Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS
+            self.resettable = True
+        except OSError:
+            self.resettable = False
+        self.start_kb = _status_kb("VmRSS")
+        self.peak_mb = None
+        return self
+
+    def __exit__(self, *exc):
+        hwm = _status_kb("VmHWM")
+        if self.resettable and hwm is not None and self.start_kb is not None:
+            self.peak_mb = (hwm - self.start_kb) / 1024
+        return False
+
+
+# -- timing --------------------------------------------------------------------------------------
+def sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def now(device) -> float:
+    sync(device)
+    return time.perf_counter()
+
+
+def environment() -> dict:
+    """Where and how a result was measured."""
+    import transformers
+
+    info = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "machine": platform.machine(),
+        "cpus": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    try:
+        info["loadavg_1m"] = os.getloadavg()[0]
+    except OSError:
+        pass
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name()
+    return info
+
+
+def write_json(path: Path, data) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=1) + "\n")
+    return path
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
