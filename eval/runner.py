@@ -142,6 +142,9 @@ def _per_task_sets(extra: dict[str, Any]) -> dict[str, list] | None:
         value = extra.get(key)
         if isinstance(value, dict) and value and all(isinstance(v, list) for v in value.values()):
             return value
+    tasks = extra.get("tasks")  # the profiler's per-task tallies, each with its own "unstable" list
+    if isinstance(tasks, dict) and tasks and all(isinstance(v, dict) and "unstable" in v for v in tasks.values()):
+        return {name: entry["unstable"] for name, entry in tasks.items()}
     return None
 
 
@@ -189,7 +192,8 @@ def resolve_profile(model_name: str, model_config, eval_task: str, profile_arg: 
     per_task = _per_task_sets(profile.extra)
     if not per_task:
         tasks = profile.extra.get("tasks")
-        return profile, f"profile {source} (tasks {tasks}); no per-task sets recorded, so {eval_task!r} could not be excluded"
+        names = sorted(tasks) if isinstance(tasks, (dict, list)) else tasks
+        return profile, f"profile {source} (tasks {names}); no per-task sets recorded, so {eval_task!r} could not be excluded"
     drop = excluded_tasks(eval_task, list(per_task))
     if not drop:
         return profile, f"profile {source} (tasks {sorted(per_task)}; none shares {eval_task!r}'s material)"
