@@ -57,7 +57,9 @@ class FlexiCacheLM(HFLM):
 
                 register()
             kwargs.setdefault("attn_implementation", attn_implementation(method))
-            kwargs.setdefault("device", "cpu")
+            import torch
+
+            kwargs.setdefault("device", "cuda" if torch.cuda.is_available() else "cpu")
         else:
             prepare_model(pretrained, method)
         super().__init__(pretrained=pretrained, **kwargs)
