@@ -89,7 +89,8 @@ def plot_ts_by_layer(ts: Mapping[str, Sequence[torch.Tensor]], unstable: set, pa
             ax.plot(l, means[l, h], "o" if bad else ".", color="tab:red" if bad else "tab:blue", ms=4 if bad else 3)
     ax.set_xlabel("layer")
     ax.set_ylabel("temporal stability TS (window)")
-    ax.set_xticks(range(0, layers, max(1, layers // 15)))
+    ticks = list(range(0, layers, max(1, layers // 15)))
+    ax.set_xticks(ticks, [str(t) for t in ticks])  # boxplot labels boxes 1..n by default
     ax.set_ylim(0, 1.02)
     ax.set_title(title or "Temporal stability per layer\nboxes: windows x heads; dots: head means (red = unstable)", fontsize=10)
     ax.grid(alpha=0.3, axis="y")
