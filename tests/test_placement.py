@@ -1,0 +1,109 @@
+"""Multi-device placement: each FlexiCache layer keeps its tiers on the device its keys arrive on.
+
+With accelerate's `device_map`, layers of one model run on different devices; FlexiCache initialises
+each layer lazily from its first `key_states`, so nothing has to be told where a layer lives. On CPU
+this is shown with two devices that exist here ('cpu' and 'meta') and with accelerate's dispatch
+hooks; the CUDA test splits a real model over cuda:0 and the CPU.
+"""
+
+import pytest
+import torch
+from conftest import left_padded_batch, tiny_model
+from transformers import DynamicCache
+
+from fc_hf import FlexiCache, FlexiCacheConfig, HeadProfile
+
+CFG = FlexiCacheConfig(page_size=4, token_budget=16, rerank_interval=4)
+FULL = FlexiCacheConfig(page_size=4, token_budget=128)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    with torch.no_grad():
+        yield
+    torch.set_num_threads(old)
+
+
+def _device_tensors(group):
+    s = group.store
+    return {"k_pool": s.k_pool, "v_pool": s.v_pool, "table": s.table, "meta": s.meta, "free": s.free,
+            "head_index": group.head_index}
+
+
+def assert_layer_on(layer, device):
+    """Every device-tier tensor of `layer` on `device`; the host tier (if any) in CPU memory."""
+    device = torch.device(device)
+    assert layer.device == device
+    for group in layer.groups:
+        for name, t in _device_tensors(group).items():
+            assert t.device == device, f"layer {layer.layer_idx} {group.kind} {name} on {t.device}, expected {device}"
+        if group.store.host_k is not None:
+            assert group.store.host_k.device.type == "cpu" and group.store.host_v.device.type == "cpu"
+
+
+def test_each_layer_initialises_on_its_keys_device():
+    """Layer 0 gets CPU keys (mixed, tiered), layer 1 'meta' keys (all unstable): each store follows its keys."""
+    model = tiny_model("llama", layers=2)
+    profile = HeadProfile.from_unstable(model.config, [(0, 0), (1, 0), (1, 1)])
+    cache = FlexiCache(model.config, CFG, profile)
+    g = torch.Generator().manual_seed(0)
+    k0, v0 = torch.randn(2, 2, 21, 16, generator=g), torch.randn(2, 2, 21, 16, generator=g)
+    cache.update(k0, v0, 0)
+    cache.update(torch.empty(2, 2, 21, 16, device="meta"), torch.empty(2, 2, 21, 16, device="meta"), 1)
+    assert_layer_on(cache.layers[0], "cpu")
+    assert_layer_on(cache.layers[1], "meta")
+    stable = [g for g in cache.layers[0].groups if g.kind == "stable"][0]
+    assert stable.store.host_k is not None and stable.store.host_pages == 5  # the CPU layer's tier is populated
+    k, v = cache.layers[0].dense_kv()
+    assert torch.equal(k, k0) and torch.equal(v, v0)
+    assert cache.get_seq_length() == 21
+
+
+def test_accelerate_dispatch_hooks_leave_the_cache_alone():
+    """With accelerate's per-module hooks (what device_map installs), generate still matches dense: the hooks
+    must not try to move the FlexiCache, and each layer ends up on its module's device."""
+    from accelerate import dispatch_model
+
+    model = tiny_model("llama", layers=2)
+    device_map = {"model.embed_tokens": "cpu", "model.rotary_emb": "cpu", "model.layers.0": "cpu",
+                  "model.layers.1": "cpu", "model.norm": "cpu", "lm_head": "cpu"}
+    model = dispatch_model(model, device_map=device_map, force_hooks=True)
+    assert hasattr(model.model.layers[1], "_hf_hook")
+    ids, mask = left_padded_batch(2, 27, pad_lengths=[0, 5])
+    kw = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
+    ref = model.generate(input_ids=ids, attention_mask=mask, past_key_values=DynamicCache(config=model.config), **kw)
+    cache = FlexiCache(model.config, FULL, HeadProfile.from_unstable(model.config, [(0, 1)]))
+    out = model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, **kw)
+    assert torch.equal(out, ref)
+    for layer in cache.layers:
+        assert_layer_on(layer, "cpu")
+
+
+@pytest.mark.cuda
+def test_device_map_split_over_cuda_and_cpu():
+    """Layer 0 on cuda:0, layer 1 on the CPU: tiers follow, output equals dense (full budget), low budget runs."""
+    from accelerate import dispatch_model
+
+    model = tiny_model("llama", layers=2)
+    device_map = {"model.embed_tokens": 0, "model.rotary_emb": 0, "model.layers.0": 0, "model.layers.1": "cpu",
+                  "model.norm": "cpu", "lm_head": "cpu"}
+    model = dispatch_model(model, device_map=device_map)
+    ids, mask = left_padded_batch(2, 27, pad_lengths=[0, 5])
+    ids, mask = ids.cuda(), mask.cuda()
+    kw = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
+    ref = model.generate(input_ids=ids, attention_mask=mask, past_key_values=DynamicCache(config=model.config), **kw)
+    profile = HeadProfile.from_unstable(model.config, [(0, 1)])
+    cache = FlexiCache(model.config, FULL, profile)
+    out = model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, **kw)
+    assert torch.equal(out.cpu(), ref.cpu())
+    assert_layer_on(cache.layers[0], "cuda:0")
+    assert_layer_on(cache.layers[1], "cpu")
+    stable = [g for g in cache.layers[0].groups if g.kind == "stable"][0]
+    assert stable.store.host_k.is_pinned()  # the CUDA layer's host tier is pinned for async copies
+    low = FlexiCache(model.config, CFG, profile)
+    out = model.generate(input_ids=ids, attention_mask=mask, past_key_values=low, max_new_tokens=40, do_sample=False,
+                         pad_token_id=0)
+    assert low.stats()["decode_steps"] == 39 and out.shape[1] == 27 + 40
+    assert_layer_on(low.layers[0], "cuda:0")
