@@ -153,3 +153,31 @@ def test_softcapped_attention_prefill():
     ids, mask = left_padded_batch(1, 20)
     with pytest.raises(ValueError, match="does not support `softcap`"):
         model(input_ids=ids, attention_mask=mask, past_key_values=FlexiCache(model.config, FlexiCacheConfig()))
+
+
+@pytest.mark.parametrize(
+    "name,extra,kinds",
+    [
+        ("MistralConfig", dict(sliding_window=8), ["DynamicSlidingWindowLayer"] * 2),
+        ("Qwen2Config", dict(use_sliding_window=True, sliding_window=8, max_window_layers=1),
+         ["FlexiCacheLayer", "DynamicSlidingWindowLayer"]),
+    ],
+    ids=["mistral-sliding", "qwen2-sliding-hybrid"],
+)
+def test_sliding_window_variants_equal_dense(name, extra, kinds):
+    """Sliding layers stay standard sliding layers; prompts longer than the window, decode past it."""
+    register()
+    torch.manual_seed(0)
+    config = getattr(transformers, name)(**COMMON, **GQA, **extra)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    model.set_attn_implementation("sdpa")
+    ids, mask = left_padded_batch(2, 29, pad_lengths=[0, 6])
+    kw = dict(max_new_tokens=10, do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+    ref = model.generate(input_ids=ids, attention_mask=mask, past_key_values=DynamicCache(config=model.config), **kw)
+    model.set_attn_implementation("flexicache")
+    cache = FlexiCache(model.config, FlexiCacheConfig(page_size=4, token_budget=64))
+    out = model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, **kw)
+    assert [type(l).__name__ for l in cache.layers] == kinds
+    assert torch.equal(out.sequences, ref.sequences)
+    for a, b in zip(out.logits, ref.logits):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=2e-5)
