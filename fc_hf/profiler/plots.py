@@ -30,7 +30,7 @@ def plot_rco_by_offset(rco: torch.Tensor, layer: int, unstable: set, path, title
     offsets = torch.arange(1, rco.shape[0] + 1)
     for h in range(rco.shape[2]):
         bad = (layer, h) in unstable
-        ax.plot(offsets, rco[:, layer, h], ls="--" if bad else "-", marker="." if bad else None,
+        ax.plot(offsets.numpy(), rco[:, layer, h].float().numpy(), ls="--" if bad else "-", marker="." if bad else None,
                 label=f"KV head {h}" + (" (unstable)" if bad else ""))
     ax.set_xlabel("step offset t - s")
     ax.set_ylabel("random-corrected overlap RCO(s, t)")
@@ -49,7 +49,8 @@ def plot_overlap(matrix: torch.Tensor, tasks: Sequence[str], path, title: str = 
     plt = _plt()
     t = len(tasks)
     fig, ax = plt.subplots(figsize=(1.2 * t + 2.5, 1.0 * t + 2))
-    im = ax.imshow(matrix, vmin=0, vmax=1, cmap="viridis")
+    matrix = torch.as_tensor(matrix).float()
+    im = ax.imshow(matrix.numpy(), vmin=0, vmax=1, cmap="viridis")
     ax.set_xticks(range(t), tasks, rotation=30, ha="right")
     ax.set_yticks(range(t), tasks)
     for i in range(t):
@@ -86,7 +87,7 @@ def plot_ts_by_layer(ts: Mapping[str, Sequence[torch.Tensor]], unstable: set, pa
     for l in range(layers):
         for h in range(heads):
             bad = (l, h) in unstable
-            ax.plot(l, means[l, h], "o" if bad else ".", color="tab:red" if bad else "tab:blue", ms=4 if bad else 3)
+            ax.plot(l, float(means[l, h]), "o" if bad else ".", color="tab:red" if bad else "tab:blue", ms=4 if bad else 3)
     ax.set_xlabel("layer")
     ax.set_ylabel("temporal stability TS (window)")
     ticks = list(range(0, layers, max(1, layers // 15)))
