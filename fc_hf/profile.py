@@ -10,7 +10,19 @@ from typing import Any, Iterable
 from .errors import ProfileError
 
 SCHEMA_VERSION = 1
-PROFILE_DIR = Path(__file__).resolve().parent.parent / "profiles"
+
+
+def _profile_dir() -> Path:
+    """Where bundled profiles are: `profiles/` of the checkout, or `fc_hf/profiles` of a wheel."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("fc_hf.profiles")
+    if spec is not None and spec.submodule_search_locations:
+        return Path(list(spec.submodule_search_locations)[0])
+    return Path(__file__).resolve().parent.parent / "profiles"
+
+
+PROFILE_DIR = _profile_dir()
 
 
 def attention_shape(config) -> tuple[int, int, int]:
@@ -26,6 +38,19 @@ def attention_shape(config) -> tuple[int, int, int]:
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
     return int(layers), int(kv_heads), int(head_dim)
+
+
+def _readable_json(d: dict) -> str:
+    """One line per key (and per key of `extra`), each value compact: reviewable diffs, small files."""
+
+    def block(obj: dict, indent: str) -> str:
+        lines = []
+        for k, v in obj.items():
+            body = block(v, indent + " ") if isinstance(v, dict) and v and k == "extra" else json.dumps(v)
+            lines.append(f"{indent}{json.dumps(k)}: {body}")
+        return "{\n" + ",\n".join(lines) + "\n" + indent[:-1] + "}"
+
+    return block(d, " ")
 
 
 @dataclass
@@ -90,14 +115,14 @@ class HeadProfile:
     def save(self, path: str | Path) -> Path:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(self.to_dict(), indent=1) + "\n")
+        path.write_text(_readable_json(self.to_dict()) + "\n")
         return path
 
     @classmethod
     def load(cls, path: str | Path, config=None) -> "HeadProfile":
         """Read a profile file; with `config`, also check it fits that model."""
         path = Path(path)
-        if not path.exists() and not path.suffix and (PROFILE_DIR / f"{path}.json").exists():
+        if not path.exists() and path.suffix != ".json" and (PROFILE_DIR / f"{path}.json").exists():
             path = PROFILE_DIR / f"{path}.json"  # a bundled profile by name, e.g. "smollm2-135m-instruct"
         try:
             raw = json.loads(path.read_text())
