@@ -111,7 +111,9 @@ def test_tiers_reconstruct_everything_and_attention_matches_bruteforce(case):
         finally:
             kernels.sparse_decode_attention = real_sda
         layer = next(i for i, l in enumerate(cache.layers) if group in getattr(l, "groups", ()))
-        _check_group(cache, layer, group, query, out, seen["pages"], seen["length"], token_valid, scaling, cfg)
+        length = seen["length"]
+        valid = torch.cat([mask, mask.new_ones(mask.shape[0], length - mask.shape[1])], 1).bool()  # ground truth
+        _check_group(cache, layer, group, query, out, seen["pages"], length, valid, scaling, cfg)
         checked.append(layer)
         return out
 
@@ -124,7 +126,7 @@ def test_tiers_reconstruct_everything_and_attention_matches_bruteforce(case):
 
 
 def _check_group(cache, layer, group, query, out, pages, length, token_valid, scaling, cfg):
-    """(b): `out [N, G, D]` == brute force over the tokens of `pages [N, M]`, with the true K/V."""
+    """(b): `out [N, G, D]` == brute force over the tokens of `pages [N, M]`, with the true K/V and mask `[B, L]`."""
     keys, values = cache.seen[layer]
     heads = group.head_index
     b = keys.shape[0]
@@ -141,9 +143,7 @@ def _check_group(cache, layer, group, query, out, pages, length, token_valid, sc
             assert sorted(chosen) == list(range(num_pages)), "with <= K pages every page is selected"
         for p in chosen:
             allowed[row, p * cfg.page_size : (p + 1) * cfg.page_size] = True
-    allowed = allowed[:, :length]
-    if token_valid is not None:
-        allowed &= token_valid.repeat_interleave(len(group.heads), 0)
+    allowed = allowed[:, :length] & token_valid.repeat_interleave(len(group.heads), 0)
     brute = ref.dense_attention_bruteforce(query, keys, values, allowed, scaling)
     torch.testing.assert_close(out.float(), brute, rtol=1e-4, atol=1e-5)
 
