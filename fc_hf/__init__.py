@@ -19,6 +19,7 @@ _EXPORTS = {
     "register": "fc_hf.attention",
     "FlexiCacheError": "fc_hf.errors",
     "ProfileError": "fc_hf.errors",
+    "flexicache_pipeline": "fc_hf.pipeline",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]

@@ -52,6 +52,11 @@ class FlexiCache(Cache):
         cfg = cache_config or FlexiCacheConfig()
         if not isinstance(cfg, FlexiCacheConfig):
             raise TypeError(f"cache_config must be a FlexiCacheConfig, got {type(cfg).__name__}.")
+        if getattr(config, "is_encoder_decoder", False):  # T5, BART, Whisper, ...: cross-attention is not paged
+            raise FlexiCacheError(
+                f"{type(config).__name__} is an encoder-decoder model; FlexiCache serves decoder-only causal LMs. "
+                "Use transformers' EncoderDecoderCache/DynamicCache for this model."
+            )
         text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
         num_layers, num_kv_heads, _ = attention_shape(text)
         if profile is None:
@@ -105,6 +110,8 @@ class FlexiCache(Cache):
 
     # -- transformers Cache API ------------------------------------------------------------------
     def update(self, key_states, value_states, layer_idx: int, cache_kwargs=None, *args, **kwargs):
+        if not self.layers:
+            raise FlexiCacheError("This FlexiCache was released (cache.release()); create a new FlexiCache for this call.")
         layer = self.layers[layer_idx]
         if isinstance(layer, FlexiCacheLayer) and layer.length == 0 and layer is self.flexi_layers[0]:
             self._check_device_bound(key_states)

@@ -79,6 +79,14 @@ class FlexiCacheLayer(CacheLayerMixin):
 
     # -- transformers CacheLayerMixin ------------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        if key_states.shape[1] != self.num_kv_heads:  # else heads would be mis-grouped silently
+            raise FlexiCacheError(
+                f"FlexiCache layer {self.layer_idx} was built for {self.num_kv_heads} KV heads (the config's "
+                f"num_key_value_heads) but the model's attention produced {key_states.shape[1]}. Build the cache "
+                "from this model's own config (`FlexiCache(model.config, ...)`); if it already is, this architecture's "
+                "attention does not match its config (e.g. multi-query attention under another name) and FlexiCache "
+                "cannot serve it. The cache is still empty."
+            )
         self.device, self.dtype = key_states.device, key_states.dtype
         self.batch, self.head_dim, self.value_dim = key_states.shape[0], key_states.shape[-1], value_states.shape[-1]
         for group in self.groups:
