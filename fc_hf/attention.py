@@ -46,7 +46,32 @@ def flexicache_attention_forward(
             scaling = getattr(module, "scaling", query.shape[-1] ** -0.5)
         out = key.fc_layer.attend(query, attention_mask, scaling, kwargs.get("softcap"))
         return out, None
+    if kwargs.get("softcap") is not None:  # sdpa refuses logit soft-capping (Gemma2)
+        return _dense_softcap_attention(module, query, key, value, attention_mask, scaling, kwargs["softcap"]), None
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+
+
+def _dense_softcap_attention(module, query, key, value, attention_mask, scaling, softcap) -> torch.Tensor:
+    """Dense attention with `tanh(s / c) * c` logit capping; `[B, Hq, T, D]` -> `[B, T, Hq, D]`."""
+    groups = query.shape[1] // key.shape[1]
+    key = key.repeat_interleave(groups, dim=1)
+    value = value.repeat_interleave(groups, dim=1)
+    if scaling is None:
+        scaling = getattr(module, "scaling", query.shape[-1] ** -0.5)
+    logits = torch.matmul(query, key.transpose(2, 3)).float() * scaling
+    logits = torch.tanh(logits / softcap) * softcap
+    t, length = query.shape[2], key.shape[2]
+    if attention_mask is None:  # sdpa_mask skipped a plain causal mask: rebuild it (queries are the last t positions)
+        q_pos = torch.arange(length - t, length, device=query.device)[:, None]
+        attention_mask = q_pos >= torch.arange(length, device=query.device)[None, :]
+    if attention_mask.dtype == torch.bool:
+        # The dtype's minimum, not -inf, as eager attention does: a fully masked (padding) query row
+        # then stays finite instead of turning into NaN keys/values for the next layer.
+        logits = logits.masked_fill(~attention_mask, torch.finfo(logits.dtype).min)
+    else:
+        logits = logits + attention_mask
+    probs = torch.softmax(logits, dim=-1).to(value.dtype)
+    return torch.matmul(probs, value).transpose(1, 2).contiguous()
 
 
 def register() -> str:

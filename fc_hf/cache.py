@@ -105,6 +105,7 @@ class FlexiCache(Cache):
                     "sliding-window attention layers only. Use DynamicCache for this model."
                 )
         super().__init__(layers=layers)
+        self._first_flexi_idx = next((i for i, l in enumerate(layers) if isinstance(l, FlexiCacheLayer)), None)
         if not self.flexi_layers:
             logger.warning("FlexiCache: this model has no full-attention layers; it behaves like DynamicCache.")
 
@@ -112,8 +113,7 @@ class FlexiCache(Cache):
     def update(self, key_states, value_states, layer_idx: int, cache_kwargs=None, *args, **kwargs):
         if not self.layers:
             raise FlexiCacheError("This FlexiCache was released (cache.release()); create a new FlexiCache for this call.")
-        layer = self.layers[layer_idx]
-        if isinstance(layer, FlexiCacheLayer) and layer.length == 0 and layer is self.flexi_layers[0]:
+        if layer_idx == self._first_flexi_idx and self.cache_config.max_device_pages is not None:
             self._check_device_bound(key_states)
         return super().update(key_states, value_states, layer_idx)
 
@@ -122,17 +122,24 @@ class FlexiCache(Cache):
         return [l for l in self.layers if isinstance(l, FlexiCacheLayer)]
 
     def _check_device_bound(self, key_states: torch.Tensor) -> None:
-        """Refuse a prefill that would exceed `max_device_pages` before anything is written."""
+        """Refuse a forward pass whose pages would exceed `max_device_pages`, before any layer writes."""
         bound = self.cache_config.max_device_pages
-        if bound is None:
-            return
         b, _, t, _ = key_states.shape
         pages = math.ceil(t / self.cache_config.page_size)
-        needed = sum(pages * b * l.num_kv_heads for l in self.flexi_layers)
+        needed = 0
+        for layer in self.flexi_layers:
+            if layer.is_initialized:
+                needed += sum(store.slots_in_use() + store.slots_needed(t) for store in layer.stores())
+            else:
+                needed += pages * b * layer.num_kv_heads
         if needed > bound:
+            held = self.get_seq_length(self._first_flexi_idx)
+            state = "The cache is still empty." if held == 0 else (
+                f"Nothing of this step was written; the cache still holds all {held} tokens so far."
+            )
             raise FlexiCacheError(
-                f"This prefill needs {needed} device pages ({b} sequences x {t} tokens) but max_device_pages={bound}. "
-                "Raise max_device_pages, shorten the prompt, or use a smaller batch. The cache is still empty."
+                f"This step needs {needed} device pages ({b} sequences, {t} new tokens) but max_device_pages={bound}. "
+                f"Raise max_device_pages, shorten the prompt or generation, or use a smaller batch. {state}"
             )
 
     def residency_check_for(self, device: torch.device) -> bool:

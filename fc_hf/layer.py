@@ -106,9 +106,10 @@ class FlexiCacheLayer(CacheLayerMixin):
         if self.length > 0 and t != 1:
             raise FlexiCacheError(
                 f"FlexiCache layer {self.layer_idx} already holds {self.length} tokens and got {t} more at once. A "
-                "FlexiCache serves exactly one generate call (prefill, then one token per step): create a fresh "
-                "FlexiCache for every generate call (e.g. `fc_hf.cache_factory(model, cfg, profile)`); assisted "
-                "decoding and chunked prefill are not supported."
+                "FlexiCache serves exactly one generate call (prefill, then one token per step): pass a new "
+                "`FlexiCache(model.config, ...)` to every generate call, or use `fc_hf.flexicache_pipeline(...)`, "
+                "which does so. This also happens with use_cache=False, assisted decoding and chunked prefill, "
+                "which FlexiCache does not support. Nothing was written."
             )
         for group in self.groups:
             idx = group.head_index

@@ -76,7 +76,12 @@ class HeadProfile:
     schema_version: int = SCHEMA_VERSION
 
     def __post_init__(self):
-        self.unstable = {(int(a), int(b)) for a, b in self.unstable}
+        def pair(p):
+            if len(p) != 2 or not all(isinstance(x, int) and not isinstance(x, bool) for x in p):
+                raise ProfileError(f"HeadProfile.unstable entries must be [layer, kv_head] integer pairs, got {p!r}.")
+            return int(p[0]), int(p[1])
+
+        self.unstable = {pair(tuple(p)) for p in self.unstable}
         bad = [(l, h) for l, h in self.unstable if not (0 <= l < self.num_layers and 0 <= h < self.num_kv_heads)]
         if bad:
             raise ProfileError(
@@ -149,9 +154,8 @@ class HeadProfile:
                 extra=raw.get("extra") or {},
             )
         except (KeyError, TypeError, ValueError) as e:
-            if isinstance(e, ProfileError):
-                raise
-            raise ProfileError(f"Head profile {path} is missing or has a malformed field ({e!r}).") from None
+            detail = str(e) if isinstance(e, ProfileError) else repr(e)
+            raise ProfileError(f"Head profile {path} is missing or has a malformed field: {detail}") from None
         if config is not None:
             profile.check(config)
         return profile

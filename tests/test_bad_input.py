@@ -69,7 +69,7 @@ def test_reuse_for_a_second_generate_fails_clearly(no_grad):
     out = model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, max_new_tokens=4, do_sample=False)
     length = cache.get_seq_length()
     more = torch.cat([out, torch.randint(1, 97, (1, 5))], 1)
-    with pytest.raises(FlexiCacheError, match="fresh FlexiCache for every generate call"):
+    with pytest.raises(FlexiCacheError, match="pass a new `FlexiCache\(model.config, ...\)` to every generate call"):
         model.generate(input_ids=more, past_key_values=cache, max_new_tokens=4, do_sample=False)
     assert cache.get_seq_length() == length  # nothing was written
 

@@ -133,14 +133,19 @@ def test_corrupted_profile_files(tmp_path, mutate, needle):
         HeadProfile.load(path, config)
 
 
-def test_max_device_pages_bounds_the_prefill_only(no_grad):
-    """Documents current behaviour: the bound is checked at prefill; decode may grow past it (unstable heads
-    keep every page). If this test starts failing because decode is bounded too, update docs/robustness.md."""
+def test_max_device_pages_bounds_decode_too(no_grad):
+    """The bound holds during decode: the step that would need a new page past it is refused before any
+    layer writes, and the cache keeps every earlier token (the same call works again with room)."""
     model = tiny_model("llama")
     ids, mask = left_padded_batch(1, 20)
-    cache = FlexiCache(model.config, FlexiCacheConfig(page_size=4, token_budget=8, max_device_pages=20, offload=False))
-    model(input_ids=ids, attention_mask=mask, past_key_values=cache)
-    for _ in range(30):
-        mask = torch.cat([mask, torch.ones(1, 1, dtype=mask.dtype)], 1)
-        model(input_ids=torch.randint(1, 97, (1, 1)), attention_mask=mask, past_key_values=cache)
-    assert cache.memory_report()["device_slots_in_use"] > 20
+    cache = FlexiCache(model.config, FlexiCacheConfig(page_size=4, token_budget=8, max_device_pages=24, offload=False))
+    model(input_ids=ids, attention_mask=mask, past_key_values=cache)  # 5 pages x 2 KV heads x 2 layers = 20
+    steps = 0
+    with pytest.raises(FlexiCacheError, match="max_device_pages=24.*still holds all 24 tokens"):
+        for _ in range(30):
+            mask = torch.cat([mask, torch.ones(1, 1, dtype=mask.dtype)], 1)
+            model(input_ids=torch.randint(1, 97, (1, 1)), attention_mask=mask, past_key_values=cache)
+            steps += 1
+    assert steps == 4  # tokens 21..24 fill page 6 of each head (24 slots); token 25 would need 4 more
+    assert cache.memory_report()["device_slots_in_use"] <= 24
+    assert all(layer.length == 24 for layer in cache.flexi_layers)

@@ -141,18 +141,26 @@ def test_architectures_that_cannot_work_refused_at_construction(name, error, nee
         FlexiCache(getattr(transformers, name)(), FlexiCacheConfig())
 
 
-def test_softcapped_attention_prefill():
-    """Gemma2 passes `softcap`; FlexiCache's dense prefill goes to sdpa, which refuses softcap (transformers' own
-    error). Pinned here so a change is noticed: a prefill that silently dropped softcap would be a bug."""
+def test_softcapped_attention_matches_eager():
+    """Gemma2 passes `softcap`: dense prefill and sparse decode both apply it (sdpa cannot), so at a
+    full budget FlexiCache equals transformers' eager attention."""
     register()
     torch.manual_seed(0)
     config = transformers.Gemma2Config(**COMMON, num_key_value_heads=2, head_dim=16, attn_logit_softcapping=5.0,
                                        sliding_window=8, query_pre_attn_scalar=16)
     model = AutoModelForCausalLM.from_config(config).eval()
-    model.set_attn_implementation("flexicache")
-    ids, mask = left_padded_batch(1, 20)
-    with pytest.raises(ValueError, match="does not support `softcap`"):
-        model(input_ids=ids, attention_mask=mask, past_key_values=FlexiCache(model.config, FlexiCacheConfig()))
+    ids, mask = left_padded_batch(2, 20, pad_lengths=[0, 4])
+    kw = dict(max_new_tokens=8, do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+    with torch.no_grad():
+        model.set_attn_implementation("eager")
+        ref = model.generate(input_ids=ids, attention_mask=mask, past_key_values=DynamicCache(config=config), **kw)
+        model.set_attn_implementation("flexicache")
+        cache = FlexiCache(model.config, FlexiCacheConfig(page_size=4, token_budget=64))
+        out = model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, **kw)
+    assert torch.equal(out.sequences, ref.sequences)
+    for a, b in zip(out.logits, ref.logits):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    assert cache.stats()["decode_steps"] == 7
 
 
 @pytest.mark.parametrize(
