@@ -8,6 +8,11 @@ import pytest
 import torch
 
 
+# One intra-op thread: the tests are small ops where a thread pool only adds overhead, and on a
+# shared 2-core machine an oversubscribed pool made tiny-model decoding ~30x slower.
+torch.set_num_threads(int(os.environ.get("FLEXICACHE_TEST_THREADS", "1")))
+
+
 def pytest_collection_modifyitems(config, items):
     has_cuda = torch.cuda.is_available()
     slow_ok = os.environ.get("FLEXICACHE_SLOW") == "1"
