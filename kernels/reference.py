@@ -114,7 +114,8 @@ _WORKSPACE: dict = {}
 
 def _gather_pages(pool: torch.Tensor, flat: torch.Tensor, name: str) -> torch.Tensor:
     """`pool[flat]` written into a reused buffer; valid until the next call with the same `name`."""
-    key = (name, pool.device, pool.dtype, tuple(pool.shape[1:]))
+    # Inference-mode tensors cannot be written outside inference mode (and vice versa): one buffer each.
+    key = (name, pool.device, pool.dtype, tuple(pool.shape[1:]), torch.is_inference_mode_enabled())
     buf = _WORKSPACE.get(key)
     if buf is None or buf.shape[0] < flat.numel():
         buf = pool.new_empty((flat.numel(), *pool.shape[1:]))

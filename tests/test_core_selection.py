@@ -148,3 +148,14 @@ def test_low_budget_changes_output_but_stays_finite(no_grad):
     sparse = _decode(model, cache, ids, mask, 3).logits[:, -1]
     assert torch.isfinite(sparse).all()
     assert (dense - sparse).abs().max() > 1e-4
+
+
+def test_inference_mode_then_no_grad(no_grad):
+    """The CPU gather workspace must not leak an inference-mode tensor into a later no_grad call."""
+    model = tiny_model("llama", layers=1)
+    ids, mask = left_padded_batch(1, 40)
+    cfg = FlexiCacheConfig(page_size=4, token_budget=8)
+    with torch.inference_mode():
+        a = _decode(model, FlexiCache(model.config, cfg), ids, mask, 3).logits
+    b = _decode(model, FlexiCache(model.config, cfg), ids, mask, 3).logits
+    assert torch.equal(a, b)
