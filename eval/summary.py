@@ -26,14 +26,17 @@ def collect(out: str | Path) -> list[dict[str, Any]]:
 
 
 def _label(row) -> str:
-    return "dense" if row["method"] == "dense" else f"{row['method']}@{row['budget']}"
+    label = "dense" if row["method"] == "dense" else f"{row['method']}@{row['budget']}"
+    options = row.get("cache_options") or {}
+    return label + "".join(f" {k}={':'.join(map(str, v)) if isinstance(v, list) else v}" for k, v in sorted(options.items()))
 
 
 def _order(label: str) -> tuple:
     from .methods import METHODS
 
-    method, _, budget = label.partition("@")
-    return (METHODS.index(method) if method in METHODS else 99, int(budget or 0))
+    method, _, rest = label.partition("@")
+    budget, _, options = rest.partition(" ")
+    return (METHODS.index(method) if method in METHODS else 99, int(budget or 0), options)
 
 
 def retention(rows: Sequence[dict[str, Any]]) -> dict[str, dict[str, float | None]]:

@@ -156,3 +156,10 @@ def test_parse_cache_options():
         "dense_layers": (0, 1), "rerank_interval": 8, "offload": False}
     assert runner.parse_cache_options("dense_layers=0") == {"dense_layers": (0,)}
     assert runner.parse_cache_options(None) == {}
+
+
+def test_summary_labels_cache_option_variants_apart():
+    row = {"method": "quest", "budget": 1024, "cache_options": {"dense_layers": [0, 1]}}
+    assert summary._label(row) == "quest@1024 dense_layers=0:1"
+    assert summary._label({"method": "quest", "budget": 1024}) == "quest@1024"
+    assert summary._order("quest@1024") < summary._order("quest@1024 dense_layers=0:1")
