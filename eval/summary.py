@@ -98,8 +98,9 @@ def plot_retention(rows: Sequence[dict[str, Any]], path: str | Path, title: str)
     for label, per_task in ret.items():
         method, _, budget = label.partition("@")
         vals = [v for v in per_task.values() if v is not None]
+        budget, _, options = budget.partition(" ")
         if budget and vals:
-            by_method[method].append((int(budget), sum(vals) / len(vals)))
+            by_method[method + (f" {options}" if options else "")].append((int(budget), sum(vals) / len(vals)))
     if not by_method:
         return None
     fig, ax = plt.subplots(figsize=(5, 3.5))
