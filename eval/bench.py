@@ -61,7 +61,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--batches", default="1,4", help="batch sizes of the decode suite")
     p.add_argument("--budgets", default="1024,2048", help="token budgets")
     p.add_argument("--methods", default=",".join(METHODS), help="subset of dense,quest,flexicache")
-    p.add_argument("--steps", type=int, default=32, help="timed decode steps per case (a multiple of the re-rank interval)")
+    p.add_argument("--steps", type=int, default=16, help="timed decode steps per case (a multiple of the re-rank interval)")
     p.add_argument("--llama-layers", type=int, default=2, help="decoder layers of the Llama-8B-shaped model")
     p.add_argument("--unstable-fraction", type=float, default=0.25, help="share of unstable heads of the synthetic profile")
     p.add_argument("--prefill-lengths", default="4k,8k", help="prefill suite lengths (SmolLM2 shape, batch 1)")
@@ -246,11 +246,22 @@ def _decode_groups(args) -> list[dict]:
     return groups
 
 
+def _case_key(model: str, case: dict) -> tuple:
+    budget = case.get("budget") if case["method"] in ("quest", "flexicache") else None
+    return (model, case["method"], budget, case["length"], case.get("batch", 1))
+
+
 def _run_suite(name: str, groups: list[dict], args, out: Path) -> list[dict]:
     from .bench_common import environment, log, write_json
 
-    results = []
+    # Results accumulate in `out` across runs (e.g. one model now, another later); a case that is
+    # run again replaces its old entry.
     path = out / f"{name}.json"
+    planned = {_case_key(spec["model"], c) for spec in groups for c in spec["cases"]}
+    results = []
+    if path.exists():
+        results = [r for r in json.loads(path.read_text()).get("results", [])
+                   if _case_key(r["model"], r) not in planned]
     for i, spec in enumerate(groups):
         log(f"bench {name}: group {i + 1}/{len(groups)} ({spec['model']}, {len(spec['cases'])} cases, "
             f"load {os.getloadavg()[0]:.1f})")

@@ -43,7 +43,10 @@ SHAPES = {
     ),
 }
 
-SHIPPED_PROFILE = Path(__file__).resolve().parent.parent / "profiles" / "smollm2-135m-instruct.json"
+def _shipped_profile() -> Path:
+    from fc_hf.profile import PROFILE_DIR  # the checkout's profiles/ or the wheel's fc_hf/profiles
+
+    return Path(PROFILE_DIR) / "smollm2-135m-instruct.json"
 
 
 def model_config(name: str, max_positions: int = 65536, layers: int | None = None):
@@ -92,9 +95,10 @@ def bench_profile(config, fraction: float = 0.25, prefer_shipped: bool = True):
     from fc_hf import HeadProfile
     from fc_hf.errors import ProfileError
 
-    if prefer_shipped and SHIPPED_PROFILE.exists():
+    shipped = _shipped_profile()
+    if prefer_shipped and shipped.exists():
         try:
-            return HeadProfile.load(SHIPPED_PROFILE, config), f"shipped {SHIPPED_PROFILE.name}"
+            return HeadProfile.load(shipped, config), f"shipped {shipped.name}"
         except ProfileError:
             pass
     prof = spread_profile(config, fraction)
