@@ -225,7 +225,7 @@ class PagedKV:
 
     def dense(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Every token's K and V as `[B, heads, L, D]`, taken from the device where resident, else the host."""
-        n, pages = self.rows, self.num_pages
+        pages = self.num_pages
         slots = self.table[:, :pages]
         k = self.k_pool[slots].clone()  # [N, Np, P, D]
         v = self.v_pool[slots].clone()

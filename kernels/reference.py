@@ -211,7 +211,6 @@ def promotion_plan(
         `freed_slots [F]` device slots no longer used.
     """
     n, r = old_pages.shape
-    k = new_pages.shape[1]
     device = old_pages.device
     # kept[n, j]: old entry j is still selected; hit[n, i]: new entry i is already resident.
     eq = (old_pages[:, :, None] == new_pages[:, None, :]) & (old_pages[:, :, None] >= 0)

@@ -11,13 +11,8 @@ from fc_hf import FlexiCache, FlexiCacheConfig, FlexiCacheError, HeadProfile, Pr
 LOW = FlexiCacheConfig(page_size=4, token_budget=16, rerank_interval=4)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    with torch.no_grad():
-        yield
-    torch.set_num_threads(old)
+# One torch thread comes from conftest.py; every test here runs without autograd.
+pytestmark = pytest.mark.usefixtures("no_grad")
 
 
 def _prefilled(batch=2, length=21):

@@ -21,15 +21,8 @@ LOW = FlexiCacheConfig(page_size=4, token_budget=16, rerank_interval=5)
 HAS_CACHE_KWARG = Version(transformers.__version__) >= Version("5.24.0")
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # Tiny models gain nothing from a second thread, and on a loaded machine OpenMP spin-waits make
-    # every step tens of times slower.
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    with torch.no_grad():
-        yield
-    torch.set_num_threads(old)
+# One torch thread comes from conftest.py; every test here runs without autograd.
+pytestmark = pytest.mark.usefixtures("no_grad")
 
 
 def _mixed(config):

@@ -32,13 +32,8 @@ def rss_bytes() -> int:
         return psutil.Process().memory_info().rss
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    with torch.no_grad():
-        yield
-    torch.set_num_threads(old)
+# One torch thread comes from conftest.py; every test here runs without autograd.
+pytestmark = pytest.mark.usefixtures("no_grad")
 
 
 def test_100_generate_calls_with_fresh_caches_keep_rss_flat():

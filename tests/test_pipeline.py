@@ -4,7 +4,6 @@ import re
 from pathlib import Path
 
 import pytest
-import torch
 from conftest import tiny_model
 from robustness_helpers import tiny_tokenizer, words
 from transformers import pipeline
@@ -17,14 +16,6 @@ FULL = FlexiCacheConfig(page_size=4, token_budget=128)
 LOW = FlexiCacheConfig(page_size=4, token_budget=16, rerank_interval=4)
 PROMPTS = [words(range(10, 50)), words(range(60, 71))]  # 40 and 11 tokens
 GEN = dict(max_new_tokens=9, do_sample=False, return_tensors=True)
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
 
 
 @pytest.fixture

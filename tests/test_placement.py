@@ -17,13 +17,8 @@ CFG = FlexiCacheConfig(page_size=4, token_budget=16, rerank_interval=4)
 FULL = FlexiCacheConfig(page_size=4, token_budget=128)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    with torch.no_grad():
-        yield
-    torch.set_num_threads(old)
+# One torch thread comes from conftest.py; every test here runs without autograd.
+pytestmark = pytest.mark.usefixtures("no_grad")
 
 
 def _device_tensors(group):

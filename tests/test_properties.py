@@ -14,7 +14,6 @@ Bounded for CI: few examples, derandomized; FLEXICACHE_HYPOTHESIS_EXAMPLES raise
 
 import os
 
-import pytest
 import torch
 from conftest import tiny_model
 from hypothesis import HealthCheck, given, settings
@@ -30,14 +29,6 @@ from fc_hf.kernels import reference as ref
 EXAMPLES = int(os.environ.get("FLEXICACHE_HYPOTHESIS_EXAMPLES", "12"))
 SETTINGS = settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
 
 
 @st.composite

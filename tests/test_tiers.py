@@ -5,27 +5,11 @@ import math
 import pytest
 import torch
 from conftest import left_padded_batch, tiny_model
+from robustness_helpers import RecordingCache
 
 from fc_hf import FlexiCache, FlexiCacheConfig, HeadProfile
-from fc_hf.cache import FlexiCache as _FC
 
 CFG = dict(page_size=4, token_budget=16, rerank_interval=5)
-
-
-class RecordingCache(_FC):
-    """A FlexiCache that also keeps every K/V it was given, like a DynamicCache fed the same states."""
-
-    def __init__(self, *a, **k):
-        super().__init__(*a, **k)
-        self.seen = {}
-
-    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        k, v = self.seen.get(layer_idx, (None, None))
-        self.seen[layer_idx] = (
-            key_states.clone() if k is None else torch.cat([k, key_states], 2),
-            value_states.clone() if v is None else torch.cat([v, value_states], 2),
-        )
-        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
 
 def _forced_decode(model, cache, ids, mask, forced, on_step=None):
