@@ -59,7 +59,7 @@ def kv_bytes_read(r: dict, itemsize: int = 4) -> int:
     if r["method"] == "dense":
         return rows * length * per_token
     pages = math.ceil(length / 16)
-    u = r.get("unstable_share", 1.0)
+    u = 1.0 if r["method"] == "quest" else r.get("unstable_share", 1.0)  # Quest scores every head every step
     attended = min(length, r["budget"] + 16)
     meta = rows * pages * per_token * (u + (1 - u) / 16)  # unstable rows score every step, stable every 16
     return int(rows * attended * per_token + meta)
