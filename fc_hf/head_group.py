@@ -91,7 +91,7 @@ class HeadGroup:
         return idx.expand(n, idx.numel())
 
     def pages_for_step(self, step: int, query: torch.Tensor, page_valid: torch.Tensor | None) -> torch.Tensor:
-        """Logical pages `[N, M]` (-1 padded) this group attends to at decode step `step`."""
+        """Logical pages `[N, M]` this group attends to at decode step `step` (never -1: all exist and are resident)."""
         if self.pending is not None:
             self._apply(*self.pending)
             self.pending = None
