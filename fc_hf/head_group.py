@@ -182,11 +182,8 @@ class HeadGroup:
     def select_rows(self, batch_index: torch.Tensor) -> None:
         if self.store is None:
             return
-        heads = len(self.heads)
-        self.store.select_rows(batch_index)
+        row_map = self.store.select_rows(batch_index)
         if self.sel is not None:
-            row_map = (batch_index.to(self.sel.device)[:, None] * heads + torch.arange(heads, device=self.sel.device)).reshape(-1)
             self.sel = self.sel[row_map]
         if self.pending is not None:
-            row_map = (batch_index.to(self.sel.device)[:, None] * heads + torch.arange(heads, device=self.sel.device)).reshape(-1)
             self.pending = (self.pending[0][row_map], self.pending[1])

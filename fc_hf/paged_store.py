@@ -142,17 +142,25 @@ class PagedKV:
         Called once a tiered group has dropped the pages outside its top-K: a pool keeps its
         allocation when slots are freed, so without this the device memory would not go down.
         """
-        resident = self.table != 0
+        self._repack(self.table, headroom_slots)
+
+    def _repack(self, table: torch.Tensor, spare: int) -> None:
+        """Copy the pages `table` points at into a fresh pool of exactly those + `spare` free slots.
+
+        Each non-zero entry gets its own new slot, so a table whose rows share slots (duplicated
+        beams) comes out with private copies.
+        """
+        resident = table != 0
         count = int(resident.sum())
-        new_k = self.k_pool.new_zeros(1 + count + headroom_slots, *self.k_pool.shape[1:])
-        new_v = self.v_pool.new_zeros(1 + count + headroom_slots, *self.v_pool.shape[1:])
-        old_slots = self.table[resident]
+        old_slots = table[resident]
+        new_k = self.k_pool.new_zeros(1 + count + spare, *self.k_pool.shape[1:])
+        new_v = self.v_pool.new_zeros(1 + count + spare, *self.v_pool.shape[1:])
         new_k[1 : 1 + count] = self.k_pool[old_slots]
         new_v[1 : 1 + count] = self.v_pool[old_slots]
-        self.table[resident] = torch.arange(1, 1 + count, device=self.device)
-        self.k_pool, self.v_pool = new_k, new_v
-        self.free = torch.arange(1 + count, 1 + count + headroom_slots, device=self.device).flip(0)
-        self.n_free = headroom_slots
+        table[resident] = torch.arange(1, 1 + count, device=self.device)
+        self.k_pool, self.v_pool, self.table = new_k, new_v, table
+        self.free = torch.arange(1 + count, 1 + count + spare, device=self.device).flip(0)
+        self.n_free = spare
 
     # -- writing ---------------------------------------------------------------------------------
     def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
@@ -259,26 +267,18 @@ class PagedKV:
         self.counters["bytes_promoted"] += rows.numel() * self.page_bytes
 
     # -- batch reshuffles (beam search) ----------------------------------------------------------
-    def select_rows(self, batch_index: torch.Tensor) -> None:
-        """Keep/duplicate sequences: new sequence i is old sequence `batch_index[i]`.
+    def row_map(self, batch_index: torch.Tensor) -> torch.Tensor:
+        """Old row of every new row when new sequence i is old sequence `batch_index[i]`."""
+        heads = torch.arange(self.heads, device=self.device)
+        return (batch_index.to(self.device)[:, None] * self.heads + heads).reshape(-1)
+
+    def select_rows(self, batch_index: torch.Tensor) -> torch.Tensor:
+        """Keep/duplicate sequences: new sequence i is old sequence `batch_index[i]`; returns the row map.
 
         Duplicated sequences get their own copies of every resident page, so no slot is shared.
         """
-        batch_index = batch_index.to(self.device)
-        heads = torch.arange(self.heads, device=self.device)
-        row_map = (batch_index[:, None] * self.heads + heads).reshape(-1)
-        table = self.table[row_map]
-        resident = table != 0
-        count = int(resident.sum())
-        spare = self.grow_pages * row_map.numel()
-        new_k = self.k_pool.new_zeros(1 + count + spare, *self.k_pool.shape[1:])
-        new_v = self.v_pool.new_zeros(1 + count + spare, *self.v_pool.shape[1:])
-        new_k[1 : 1 + count] = self.k_pool[table[resident]]
-        new_v[1 : 1 + count] = self.v_pool[table[resident]]
-        table[resident] = torch.arange(1, 1 + count, device=self.device)
-        self.k_pool, self.v_pool, self.table = new_k, new_v, table
-        self.free = torch.arange(1 + count, 1 + count + spare, device=self.device).flip(0)
-        self.n_free = spare
+        row_map = self.row_map(batch_index)
+        self._repack(self.table[row_map], self.grow_pages * row_map.numel())
         self.meta_t = self.meta_t[row_map]
         if self.host_k is not None:
             self.transfers.sync_host()
@@ -289,3 +289,4 @@ class PagedKV:
                 self.host_k, self.host_v = self.host_k.pin_memory(), self.host_v.pin_memory()
         self.batch = batch_index.numel()
         self.rows = self.batch * self.heads
+        return row_map
