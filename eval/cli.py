@@ -36,7 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     def common(sp, default_methods=",".join(METHODS)):
         sp.add_argument("--model", default="smollm2-135m-instruct", help="bundled model name or a local model folder")
-        sp.add_argument("--methods", type=_csv(), default=_csv()(default_methods), help=f"comma list of {METHODS}")
+        sp.add_argument("--methods", type=_csv(), default=_csv()(default_methods), help=f"comma list of {METHODS}; method@BUDGET runs that method at that budget only")
         sp.add_argument("--budgets", type=_csv(int), default=[1024], help="token budgets, comma list")
         sp.add_argument("--profile", default=None,
                         help="head profile file or bundled name (default: profiles/<model>.json, re-voted without "
@@ -61,6 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--tasks", type=_csv(), default=["niah_single_1", "ruler_vt"], help=f"comma list of {RULER_TASKS}")
     r.add_argument("--lengths", type=_csv(int), default=[4096])
     r.add_argument("--limit", type=int, default=4, help="samples per task (0: all)")
+    r.add_argument("--per-method-prefill", action="store_true",
+                   help="run each method through lm-eval's own loop (one prefill per method) instead of sharing one "
+                        "dense prefill per sample")
 
     lb = sub.add_parser("longbench", help="LongBench (hub THUDM/LongBench or --data folder of <task>.jsonl)")
     common(lb)
@@ -106,7 +109,8 @@ def main(argv: list[str] | None = None) -> int:
                                   free_run_tokens=args.free_run, cache_options=runner.parse_cache_options(args.cache_options),
                                   **common)
     elif args.command == "ruler":
-        res = runner.run_ruler(args.model, args.tasks, seq_lengths=args.lengths, limit=args.limit or None, **common)
+        res = runner.run_ruler(args.model, args.tasks, seq_lengths=args.lengths, limit=args.limit or None,
+                               shared_prefill=not args.per_method_prefill, **common)
     elif args.command == "longbench":
         res = runner.run_longbench(args.model, args.tasks, data=args.data, limit=args.limit,
                                    max_prompt_tokens=args.max_prompt_tokens, prompt_file=args.prompt_file, **common)

@@ -30,7 +30,6 @@ __all__ = [
     "RECALL_INSTRUCTION",
     "forced_logprobs",
     "compare_steps",
-    "free_run",
     "agreement_length",
     "summarize",
 ]
@@ -180,20 +179,6 @@ def compare_steps(dense_logprobs: torch.Tensor, method_logprobs: Iterator[torch.
     if len(out["agree"]) != len(targets):
         raise RuntimeError(f"compared {len(out['agree'])} steps but expected {len(targets)}")
     return out
-
-
-@torch.inference_mode()
-def free_run(model, prompt_ids: Sequence[int], n_tokens: int, cache=None) -> list[int]:
-    """Greedy-generate `n_tokens` tokens from the prompt (no early stop) with a fresh cache."""
-    from .methods import cache_kwargs
-
-    device = next(model.parameters()).device
-    ids = torch.tensor([list(prompt_ids)], device=device)
-    out = model.generate(
-        input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n_tokens, min_new_tokens=n_tokens,
-        do_sample=False, **cache_kwargs(model, cache),
-    )
-    return out[0, ids.shape[1]:].tolist()
 
 
 def agreement_length(a: Sequence[int], b: Sequence[int]) -> int:

@@ -236,11 +236,16 @@ def _progress(iterable, desc: str, total: int | None = None):
 
 
 def _method_runs(methods: Sequence[str], budgets: Sequence[int]) -> list[tuple[str, int | None]]:
+    """(method, budget) pairs: each method at every budget, or only at B when written "method@B"."""
     runs = []
-    for m in methods:
+    for spec in methods:
+        m, _, only = spec.partition("@")
         if m not in METHODS:
-            raise ValueError(f"Unknown method {m!r}; choose from {METHODS}.")
-        runs.extend([(m, None)] if m == "dense" else [(m, int(b)) for b in budgets])
+            raise ValueError(f"Unknown method {m!r}; choose from {METHODS} (optionally as method@BUDGET).")
+        if only and not only.isdigit():
+            raise ValueError(f"{spec!r}: the budget after '@' must be a number of tokens, e.g. flexicache@2048.")
+        pairs = [(m, None)] if m == "dense" else [(m, int(b)) for b in ([only] if only else budgets)]
+        runs.extend(p for p in pairs if p not in runs)
     return runs
 
 
@@ -260,7 +265,8 @@ def run_fidelity(
     from fc_hf.config import FlexiCacheConfig
     import torch
 
-    from .fidelity import agreement_length, compare_steps, forced_logprobs, free_run, make_tasks, summarize
+    from .fidelity import agreement_length, compare_steps, make_tasks, summarize
+    from .shared_prefill import dense_prefill, forced_decode, greedy_decode
 
     model, tok, _ = model_bundle or load_model(model_name, dtype)
     tasks = make_tasks(tok, kinds, prompt_tokens, forced_tokens, distances, offsets, text_tokens=text_tokens)
@@ -287,23 +293,23 @@ def run_fidelity(
         pending = [(k, r) for k, r in runs.items() if task.name not in r.done_ids()]
         if not pending:
             continue
-        prepare_model(model, "dense")
-        dense = torch.stack(list(forced_logprobs(model, task)))
+        prefill = dense_prefill(model, task.prompt_ids)  # one dense prefill serves every method (shared_prefill.py)
+        forced = task.target_ids[:-1]
+        dense = torch.stack(list(forced_decode(model, prefill, "dense", None, forced)))
         targets = task.target_ids[1:]
         if free_run_tokens:
-            dense_free[task.name] = free_run(model, task.prompt_ids, free_run_tokens)
+            dense_free[task.name] = greedy_decode(model, prefill, "dense", None, free_run_tokens)
         for (method, budget), run in _progress(pending, f"methods on {task.name}"):
-            prepare_model(model, method)
             t0 = time.time()
             if method == "dense":
                 steps = compare_steps(dense, iter(dense), targets)
                 free_len = free_run_tokens if free_run_tokens else None
             else:
-                cache = make_cache(method, model, budget, profile, base=base)
-                steps = compare_steps(dense, forced_logprobs(model, task, cache), targets)
+                fresh = lambda: make_cache(method, model, budget, profile, base=base)  # noqa: E731
+                steps = compare_steps(dense, forced_decode(model, prefill, method, fresh(), forced), targets)
                 free_len = None
                 if free_run_tokens:
-                    gen = free_run(model, task.prompt_ids, free_run_tokens, make_cache(method, model, budget, profile, base=base))
+                    gen = greedy_decode(model, prefill, method, fresh(), free_run_tokens)
                     free_len = agreement_length(gen, dense_free[task.name])
             run.append({"id": task.name, "kind": task.kind, "meta": task.meta, **steps,
                         "free_run_agreement": free_len, "seconds": round(time.time() - t0, 1)})
@@ -321,9 +327,19 @@ RULER_TASKS = ("niah_single_1", "niah_multikey_2", "niah_multikey_3", "ruler_vt"
 def run_ruler(
     model_name: str, tasks: Sequence[str], methods: Sequence[str], budgets: Sequence[int], out: str | Path,
     seq_lengths: Sequence[int] = (4096,), limit: int | None = 4, profile_arg: str | None = None,
-    dtype: str = "float32", model_bundle=None,
+    dtype: str = "float32", model_bundle=None, shared_prefill: bool = True,
 ) -> dict[str, dict]:
-    """lm-eval's offline RULER tasks for each method; resumable per sample through lm-eval's request cache."""
+    """lm-eval's offline RULER tasks for each method.
+
+    `shared_prefill` (default): one dense prefill per sample serves every method (`ruler.py`;
+    resumable per sample). False: each method runs through `lm_eval.simple_evaluate` with
+    `FlexiCacheLM` (resumable per sample through lm-eval's request cache).
+    """
+    if shared_prefill:
+        from .ruler import run_ruler_shared
+
+        return run_ruler_shared(model_name, tasks, methods, budgets, out, seq_lengths, limit, profile_arg, dtype,
+                                model_bundle)
     import lm_eval
 
     from .lm_eval_model import FlexiCacheLM

@@ -1,0 +1,134 @@
+"""RULER through lm-eval's own tasks, with one dense prefill per sample shared by every method.
+
+lm-eval builds the samples (its offline RULER generators), the prompts and the generation settings,
+and scores the answers (`task.process_results`); this module only replaces the generation loop so
+that the prompt is prefilled once and each method decodes from it (`shared_prefill.py`). Tokenising,
+stop strings and answer post-processing are lm-eval's `HFLM` code paths, so a method's answer is the
+one `lm_eval --model flexicache` would produce (checked on the dense runs: same answers, same
+scores). `runner.run_ruler(..., shared_prefill=False)` keeps the plain lm-eval route.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+__all__ = ["RulerSample", "ruler_samples", "answer_stop", "run_ruler_shared"]
+
+
+@dataclass
+class RulerSample:
+    doc_id: int
+    doc: dict[str, Any]
+    context: str
+    gen_kwargs: dict[str, Any]
+
+
+def ruler_samples(task: str, length: int, limit: int | None, tokenizer_folder: str | Path):
+    """lm-eval's task object and its first `limit` samples at `length` tokens.
+
+    RULER's generators draw from the global `random` module, so the samples depend on its state: seed
+    it as `lm_eval.simple_evaluate` does by default, which gives every method — and the plain lm-eval
+    route — the same samples.
+    """
+    import random
+
+    import numpy as np
+    import torch
+    from lm_eval.evaluator import DEFAULT_OTHER_SEED, DEFAULT_RANDOM_SEED
+    from lm_eval.tasks import TaskManager, get_task_dict
+
+    random.seed(DEFAULT_RANDOM_SEED)
+    np.random.seed(DEFAULT_OTHER_SEED)
+    torch.manual_seed(DEFAULT_OTHER_SEED)
+
+    manager = TaskManager(metadata={"max_seq_lengths": [int(length)], "tokenizer": str(tokenizer_folder)})
+    task_obj = get_task_dict([task], manager)[task]
+    task_obj.build_all_requests(limit=limit, rank=0, world_size=1)
+    samples = [RulerSample(inst.doc_id, inst.doc, inst.args[0], dict(inst.args[1])) for inst in task_obj.instances]
+    return task_obj, sorted(samples, key=lambda s: s.doc_id)
+
+
+def answer_stop(lm, until: Sequence[str], eos_ids: set[int]):
+    """The stopping rule of `HFLM` generation: an EOS token, or a stop string in the decoded answer."""
+
+    def stop(tokens: list[int]) -> bool:
+        if tokens[-1] in eos_ids:
+            return True
+        text = lm.tok_decode(tokens)
+        return any(u and u in text for u in until)
+
+    return stop
+
+
+def _eos_ids(model, tokenizer) -> set[int]:
+    ids = getattr(model.generation_config, "eos_token_id", None)
+    ids = set(ids if isinstance(ids, (list, tuple)) else [ids] if ids is not None else [])
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return ids
+
+
+def run_ruler_shared(
+    model_name: str, tasks: Sequence[str], methods: Sequence[str], budgets: Sequence[int], out: str | Path,
+    seq_lengths: Sequence[int] = (4096,), limit: int | None = 4, profile_arg: str | None = None,
+    dtype: str = "float32", model_bundle=None,
+) -> dict[str, dict]:
+    """Every (task, length) x (method, budget) of RULER, resumable per sample; returns {key: metrics}."""
+    from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
+
+    from .lm_eval_model import FlexiCacheLM
+    from .methods import make_cache, prepare_model
+    from .runner import RunDir, _method_runs, _progress, load_model, resolve_profile, run_name
+    from .shared_prefill import dense_prefill, greedy_decode
+
+    model, tok, folder = model_bundle or load_model(model_name, dtype)
+    eos_ids = _eos_ids(model, tok)
+    results = {}
+    for task in tasks:
+        profile, note = resolve_profile(model_name, model.config, task, profile_arg)
+        for length in seq_lengths:
+            lm = FlexiCacheLM(pretrained=model, tokenizer=tok, method="dense", batch_size=1, max_length=int(length) + 512)
+            task_obj, samples = ruler_samples(task, length, limit, folder)
+            setting = f"{task}-{length}"
+            runs = {}
+            for method, budget in _method_runs(methods, budgets):
+                cfg = {"bench": "ruler", "model": Path(model_name).name, "setting": setting, "task": task,
+                       "seq_length": int(length), "limit": limit, "dtype": dtype, "method": method, "budget": budget,
+                       "generation": "shared-prefill",
+                       "profile_note": note if method == "flexicache" else None}
+                runs[(method, budget)] = RunDir(Path(out) / "ruler" / cfg["model"] / setting / run_name(method, budget), cfg)
+            eos = lm.tok_decode(lm.eot_token_id, skip_special_tokens=False)
+            for sample in _progress(samples, f"ruler {setting}"):
+                pending = [(k, r) for k, r in runs.items() if str(sample.doc_id) not in r.done_ids()]
+                if not pending:
+                    continue
+                kwargs = normalize_gen_kwargs(dict(sample.gen_kwargs), lm.max_gen_toks)
+                until = handle_stop_sequences(kwargs.pop("until", None), eos=eos)
+                max_gen = int(kwargs.pop("max_gen_toks"))
+                ids, _ = lm.tok_batch_encode([sample.context], left_truncate_len=lm.max_length - max_gen,
+                                             truncation=lm.truncation)
+                t0 = time.time()
+                prefill = dense_prefill(model, ids[0].tolist())
+                prefill_s = time.time() - t0
+                for (method, budget), run in pending:
+                    t0 = time.time()
+                    cache = make_cache(method, model, budget or 1024, profile if method == "flexicache" else None)
+                    tokens = greedy_decode(model, prefill, method, cache, max_gen, answer_stop(lm, until, eos_ids))
+                    text = postprocess_generated_text(generation=lm.tok_decode(tokens), stop=until, think_end_token=None)
+                    metrics = task_obj.process_results(sample.doc, [text])
+                    score = float(metrics[str(length)])
+                    run.append({"id": sample.doc_id, "target": sample.doc.get("outputs"), "response": text, "score": score,
+                                "prompt_tokens": prefill.length, "new_tokens": len(tokens),
+                                "prefill_seconds": round(prefill_s, 1), "decode_seconds": round(time.time() - t0, 1)})
+                    rows = run.predictions()
+                    run.write_metrics({"score": sum(r["score"] for r in rows) / len(rows), "n": len(rows)})
+                del prefill
+            for (method, budget), run in runs.items():
+                if (run.path / "metrics.json").exists():
+                    results[f"{setting}/{run_name(method, budget)}"] = json.loads((run.path / "metrics.json").read_text())
+    prepare_model(model, "dense")
+    return results
