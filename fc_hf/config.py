@@ -31,6 +31,9 @@ class FlexiCacheConfig:
         streaming_heads (`tuple`, *optional*): (layer, kv_head) pairs that attend only to sink + recent
             pages (the LServe-like baseline); `streaming_sink_pages` and the budget set their window.
         streaming_sink_pages (`int`, *optional*, defaults to 1): sink pages of streaming heads.
+        sink_pages (`int`, *optional*, defaults to 1): leading pages (the attention sink) every ranked head always
+            selects; they count against the budget, like the page being filled. The authors force none (0); here
+            forcing one page cut SmolLM2's KL to dense 5x on continuation (docs/eval/summary.md), so 1 is the default.
         backend (`str`, *optional*): "torch" or "triton" forces a kernel backend; None picks by device.
     """
 
@@ -45,6 +48,7 @@ class FlexiCacheConfig:
     unstable_rerank_interval: int = 1
     streaming_heads: tuple = field(default_factory=tuple)
     streaming_sink_pages: int = 1
+    sink_pages: int = 1
     backend: str | None = None
 
     def __post_init__(self):
@@ -77,6 +81,13 @@ class FlexiCacheConfig:
         positive_int("streaming_sink_pages", self.streaming_sink_pages)
         if self.streaming_heads and self.streaming_sink_pages >= self.pages_per_head:
             raise ValueError("FlexiCacheConfig.streaming_sink_pages must be smaller than token_budget // page_size.")
+        if isinstance(self.sink_pages, bool) or not isinstance(self.sink_pages, int) or not (
+            0 <= self.sink_pages < self.pages_per_head
+        ):
+            raise ValueError(
+                f"FlexiCacheConfig.sink_pages must be an integer in [0, {self.pages_per_head - 1}] (fewer than the "
+                f"{self.pages_per_head} pages of the budget, which also holds the page being filled), got {self.sink_pages!r}."
+            )
         self.dense_layers = tuple(int(x) for x in self.dense_layers)
         self.streaming_heads = tuple((int(a), int(b)) for a, b in self.streaming_heads)
 

@@ -77,6 +77,7 @@ class HeadGroup:
         store = self.store
         with self._timed("scoring"):
             scores = kernels.score_pages(query, store.meta, store.num_pages, page_valid, backend=self.cfg.backend)
+            kernels.force_sink_pages(scores, self.cfg.sink_pages, page_valid)
         with self._timed("selection"):
             return kernels.select_topk(scores, self.k)
 

@@ -5,6 +5,6 @@ Each public function dispatches to a Triton kernel on CUDA tensors and to the pu
 reference in `reference.py` otherwise. `FLEXICACHE_BACKEND=torch|triton` forces either.
 """
 
-from .dispatch import backend_for, promotion_plan, score_pages, select_topk, sparse_decode_attention
+from .dispatch import backend_for, force_sink_pages, promotion_plan, score_pages, select_topk, sparse_decode_attention
 
-__all__ = ["backend_for", "promotion_plan", "score_pages", "select_topk", "sparse_decode_attention"]
+__all__ = ["backend_for", "force_sink_pages", "promotion_plan", "score_pages", "select_topk", "sparse_decode_attention"]

@@ -37,6 +37,11 @@ def score_pages(query, meta, num_pages, page_valid=None, backend=None):
     return reference.score_pages(query, meta, num_pages, page_valid)
 
 
+def force_sink_pages(scores, sink_pages, page_valid=None, backend=None):
+    # One scatter on the scores; the same torch code on every backend.
+    return reference.force_sink_pages(scores, sink_pages, page_valid)
+
+
 def select_topk(scores, k, backend=None):
     # torch.topk is used on every backend (see the kernels issue notes for its measured cost).
     return reference.select_topk(scores, k)

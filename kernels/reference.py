@@ -69,6 +69,34 @@ def score_pages_bruteforce(query: torch.Tensor, kmin: torch.Tensor, kmax: torch.
     return torch.maximum(lo, hi).sum(-1).amax(dim=1)
 
 
+def force_sink_pages(scores: torch.Tensor, sink_pages: int, page_valid: torch.Tensor | None = None) -> torch.Tensor:
+    """Force each row's first `sink_pages` attendable pages into the selection (score +inf), in place.
+
+    The Quest bound misses attention sinks: the first tokens draw a large share of attention from
+    most queries with keys that do not stand out channel by channel. Under left padding the sink is
+    the first page holding a real token, so the forced pages start there; all-padding pages stay -inf.
+
+    Args:
+        scores (`torch.Tensor` of shape `[N, Np]`): page scores from `score_pages`.
+        sink_pages (`int`): how many leading pages to force (0: leave scores as they are).
+        page_valid (`torch.Tensor` of shape `[N, Np]`, *optional*): False for all-padding pages.
+
+    Returns:
+        `scores`, modified in place.
+    """
+    num_pages = scores.shape[-1]
+    sink = min(int(sink_pages), num_pages)
+    if sink <= 0:
+        return scores
+    if page_valid is None:
+        scores[:, :sink] = POS_INF
+        return scores
+    first = page_valid.to(torch.int8).argmax(dim=1, keepdim=True)  # first attendable page per row
+    idx = (first + torch.arange(sink, device=scores.device)).clamp_(max=num_pages - 1)
+    forced = torch.where(page_valid.gather(1, idx), POS_INF, NEG_INF).to(scores.dtype)
+    return scores.scatter_(1, idx, forced)
+
+
 def select_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
     """Indices of the top-`k` pages per row (all pages when there are at most `k`). `[N, Np]` -> `[N, min(k, Np)]`."""
     num_pages = scores.shape[-1]
