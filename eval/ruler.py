@@ -82,7 +82,7 @@ def run_ruler_shared(
 
     from .lm_eval_model import FlexiCacheLM
     from .methods import make_cache, prepare_model
-    from .runner import RunDir, _method_runs, _progress, load_model, resolve_profile, run_name
+    from .runner import RunDir, _method_runs, _progress, cache_defaults, load_model, resolve_profile, run_name
     from .shared_prefill import dense_prefill, greedy_decode
 
     model, tok, folder = model_bundle or load_model(model_name, dtype)
@@ -98,7 +98,7 @@ def run_ruler_shared(
             for method, budget in _method_runs(methods, budgets):
                 cfg = {"bench": "ruler", "model": Path(model_name).name, "setting": setting, "task": task,
                        "seq_length": int(length), "limit": limit, "dtype": dtype, "method": method, "budget": budget,
-                       "generation": "shared-prefill",
+                       "generation": "shared-prefill", "cache_defaults": cache_defaults(),
                        "profile_note": note if method == "flexicache" else None}
                 runs[(method, budget)] = RunDir(Path(out) / "ruler" / cfg["model"] / setting / run_name(method, budget), cfg)
             eos = lm.tok_decode(lm.eot_token_id, skip_special_tokens=False)

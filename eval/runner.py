@@ -59,6 +59,17 @@ def parse_cache_options(text: str | None) -> dict[str, Any]:
     return options
 
 
+def cache_defaults(base=None) -> dict[str, Any]:
+    """The `FlexiCacheConfig` fields no method sets, recorded in every run's config so that a resumed run
+    never mixes results made under different defaults."""
+    from dataclasses import asdict
+
+    from fc_hf.config import FlexiCacheConfig
+
+    cfg = asdict(base or FlexiCacheConfig())
+    return {k: cfg[k] for k in ("page_size", "rerank_interval", "sink_pages", "promotion", "dense_layers")}
+
+
 def run_name(method: str, budget: int | None) -> str:
     return "dense" if method == "dense" else f"{method}-b{budget}"
 
@@ -277,7 +288,7 @@ def run_fidelity(
         "bench": "fidelity", "model": Path(model_name).name, "setting": setting, "dtype": dtype,
         "prompt_tokens": prompt_tokens, "forced_tokens": forced_tokens, "distances": list(distances),
         "offsets": list(offsets), "kinds": list(kinds), "free_run_tokens": free_run_tokens,
-        "tasks": [t.name for t in tasks],
+        "tasks": [t.name for t in tasks], "cache_defaults": cache_defaults(FlexiCacheConfig(**(cache_options or {}))),
     }
     runs = {}
     for method, budget in _method_runs(methods, budgets):

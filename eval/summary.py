@@ -12,7 +12,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any, Sequence
 
-__all__ = ["collect", "retention", "retention_table", "fidelity_table", "plot_retention", "plot_agreement", "write_summary"]
+__all__ = ["collect", "retention", "retention_table", "ablation_table", "fidelity_table", "plot_retention", "plot_agreement", "write_summary"]
 
 
 def collect(out: str | Path) -> list[dict[str, Any]]:
@@ -58,7 +58,9 @@ def retention_table(rows: Sequence[dict[str, Any]]) -> str:
     settings = sorted({r["setting"] for r in rows})
     scores = {(_label(r), r["setting"]): r.get("score") for r in rows}
     ret = retention(rows)
-    lines = ["| method | " + " | ".join(settings) + " | avg retention |", "|---" * (len(settings) + 2) + "|"]
+    n = {r["setting"]: r.get("n") for r in rows if r["method"] == "dense"}
+    heads = [f"{s} (n={n[s]})" if n.get(s) else s for s in settings]
+    lines = ["| method | " + " | ".join(heads) + " | avg retention |", "|---" * (len(settings) + 2) + "|"]
     for label in sorted(ret, key=_order):
         cells, vals = [], []
         for s in settings:
@@ -68,6 +70,35 @@ def retention_table(rows: Sequence[dict[str, Any]]) -> str:
                 vals.append(rt)
         avg = sum(vals) / len(vals) if vals else None
         lines.append(f"| {label} | " + " | ".join(cells) + f" | {_fmt(avg)} |")
+    return "\n".join(lines)
+
+
+def _avg_retention(rows: Sequence[dict[str, Any]], label: str) -> float | None:
+    vals = [v for v in retention(rows).get(label, {}).values() if v is not None]
+    return sum(vals) / len(vals) if vals else None
+
+
+def ablation_table(rows: Sequence[dict[str, Any]]) -> str | None:
+    """The paper's Table 3 for one model: no re-rank -> re-rank all -> stability-aware -> budget 2048.
+
+    Columns: average RULER retention, and teacher-forced agreement with dense per fidelity task kind.
+    """
+    from .methods import ABLATION
+
+    labels = [f"{m}@{b}" for m, b in ABLATION]
+    ruler = [r for r in rows if r["bench"] == "ruler"]
+    fid = [r for r in rows if r["bench"] == "fidelity" and not r.get("cache_options")]
+    kinds = sorted({(r["setting"], k) for r in fid for k in r["summary"] if k != "all"})
+    head = (["RULER avg retention"] if ruler else []) + [f"{k} agree ({s})" for s, k in kinds]
+    if not head:
+        return None
+    lines = ["| step | " + " | ".join(head) + " |", "|---" * (len(head) + 1) + "|"]
+    for label in labels:
+        cells = [_fmt(_avg_retention(ruler, label))] if ruler else []
+        for setting, kind in kinds:
+            hit = [r for r in fid if r["setting"] == setting and _label(r) == label]
+            cells.append(_fmt(hit[0]["summary"].get(kind, {}).get("agreement")) if hit else "—")
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -186,6 +217,10 @@ def write_summary(out: str | Path, plots: bool = True) -> Path:
         notes = sorted({r["profile_note"] for r in group if r.get("profile_note")})
         for n in notes:
             parts.append(f"- profile: {n}\n")
+    for model in sorted({r["model"] for r in rows}):
+        table = ablation_table([r for r in rows if r["model"] == model])
+        if table:
+            parts.append(f"## ablation (paper Table 3) — {model}\n\n{table}\n")
     path = out / "summary.md"
     path.write_text("\n".join(parts))
     return path

@@ -116,6 +116,21 @@ def test_retention_table_and_plot(tmp_path):
     assert png.stat().st_size > 1000
 
 
+def test_ablation_table_follows_the_paper_order():
+    ruler = [{"bench": "ruler", "model": "m", "setting": "a", "method": m, "budget": b, "score": sc, "n": 4}
+             for m, b, sc in [("dense", None, 0.8), ("no-rerank", 1024, 0.4), ("uniform", 1024, 0.6),
+                              ("flexicache", 1024, 0.8), ("flexicache", 2048, 0.8), ("quest", 1024, 0.8)]]
+    fid = [{"bench": "fidelity", "model": "m", "setting": "p4", "method": "flexicache", "budget": 1024,
+            "summary": {"all": {"agreement": 0.9}, "recall": {"agreement": 0.85}}}]
+    lines = summary.ablation_table(ruler + fid).splitlines()
+    assert lines[0] == "| step | RULER avg retention | recall agree (p4) |"
+    assert [l.split(" | ")[0] for l in lines[2:]] == ["| no-rerank@1024", "| uniform@1024", "| flexicache@1024",
+                                                      "| flexicache@2048"]
+    assert lines[2] == "| no-rerank@1024 | 0.500 | — |" and lines[4] == "| flexicache@1024 | 1.000 | 0.850 |"
+    assert summary.retention_table(ruler).splitlines()[0] == "| method | a (n=4) | avg retention |"
+    assert summary.ablation_table([]) is None
+
+
 def test_cli_parses_lists():
     args = build_parser().parse_args(["fidelity", "--methods", "dense,quest", "--budgets", "1024,2048", "--distances", "2048"])
     assert args.methods == ["dense", "quest"] and args.budgets == [1024, 2048] and args.distances == [2048]
