@@ -1,7 +1,8 @@
 """Summaries of a results tree: Markdown retention and fidelity tables, and plots.
 
 Retention of a task = method score / dense score on the same samples. A task on which dense scores
-0 says nothing about retention: it is shown as "n/a" and left out of the average.
+below `MIN_DENSE_SCORE` says nothing about retention (a ratio of a few lucky hits): its scores are
+shown, its retention is "n/a" and it is left out of the average.
 """
 
 from __future__ import annotations
@@ -39,13 +40,17 @@ def _order(label: str) -> tuple:
     return (METHODS.index(method) if method in METHODS else 99, int(budget or 0), options)
 
 
+MIN_DENSE_SCORE = 0.5
+
+
 def retention(rows: Sequence[dict[str, Any]]) -> dict[str, dict[str, float | None]]:
-    """{run label: {setting: score / dense score}} for one bench and model (None where dense is 0 or missing)."""
+    """{run label: {setting: score / dense score}} for one bench and model (None where dense is missing or
+    below `MIN_DENSE_SCORE`)."""
     dense = {r["setting"]: r.get("score") for r in rows if r["method"] == "dense"}
     table: dict[str, dict[str, float | None]] = defaultdict(dict)
     for r in rows:
         d, s = dense.get(r["setting"]), r.get("score")
-        table[_label(r)][r["setting"]] = (s / d) if (d and s is not None) else None
+        table[_label(r)][r["setting"]] = (s / d) if (d is not None and d >= MIN_DENSE_SCORE and s is not None) else None
     return dict(table)
 
 
@@ -70,6 +75,10 @@ def retention_table(rows: Sequence[dict[str, Any]]) -> str:
                 vals.append(rt)
         avg = sum(vals) / len(vals) if vals else None
         lines.append(f"| {label} | " + " | ".join(cells) + f" | {_fmt(avg)} |")
+    low = [s for s in settings if scores.get(("dense", s)) is not None and scores[("dense", s)] < MIN_DENSE_SCORE]
+    if low:
+        lines.append(f"\nDense scores below {MIN_DENSE_SCORE} on {', '.join(low)}: the model mostly fails these, so "
+                     "their retention is not measured (n/a) and they are left out of the average.")
     return "\n".join(lines)
 
 

@@ -112,6 +112,10 @@ def test_retention_table_and_plot(tmp_path):
     assert lines[0] == "| method | a | b | avg retention |"
     assert lines[2].startswith("| dense |") and "| flexicache@1024 | 0.600 (0.750) | 0.000 (n/a) | 0.750 |" in table
     assert "| flexicache@2048 | 0.800 (1.000) | — | 1.000 |" in table
+    assert "Dense scores below 0.5 on b:" in table
+    # A dense score of a few lucky hits is no baseline either: 0.25 -> retention not measured.
+    low = [dict(r, score=0.25) if (r["setting"], r["method"]) == ("b", "dense") else r for r in rows]
+    assert summary.retention(low)["flexicache@1024"]["b"] is None
     png = summary.plot_retention(rows, tmp_path / "r.png", "t")
     assert png.stat().st_size > 1000
 
