@@ -64,14 +64,6 @@ def answer_stop(lm, until: Sequence[str], eos_ids: set[int]):
     return stop
 
 
-def _eos_ids(model, tokenizer) -> set[int]:
-    ids = getattr(model.generation_config, "eos_token_id", None)
-    ids = set(ids if isinstance(ids, (list, tuple)) else [ids] if ids is not None else [])
-    if tokenizer.eos_token_id is not None:
-        ids.add(int(tokenizer.eos_token_id))
-    return ids
-
-
 def run_ruler_shared(
     model_name: str, tasks: Sequence[str], methods: Sequence[str], budgets: Sequence[int], out: str | Path,
     seq_lengths: Sequence[int] = (4096,), limit: int | None = 4, profile_arg: str | None = None,
@@ -83,10 +75,10 @@ def run_ruler_shared(
     from .lm_eval_model import FlexiCacheLM
     from .methods import make_cache, prepare_model
     from .runner import RunDir, _method_runs, _progress, cache_defaults, load_model, resolve_profile, run_name
-    from .shared_prefill import dense_prefill, greedy_decode
+    from .shared_prefill import dense_prefill, eos_token_ids, greedy_decode
 
     model, tok, folder = model_bundle or load_model(model_name, dtype)
-    eos_ids = _eos_ids(model, tok)
+    eos_ids = eos_token_ids(model, tok)
     results = {}
     for task in tasks:
         profile, note = resolve_profile(model_name, model.config, task, profile_arg)

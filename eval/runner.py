@@ -19,14 +19,13 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from .methods import METHODS, cache_kwargs, make_cache, prepare_model
+from .methods import METHODS, make_cache, prepare_model
 
 __all__ = [
     "RunDir",
     "run_name",
     "resolve_profile",
     "load_model",
-    "generate_text",
     "run_fidelity",
     "run_ruler",
     "run_longbench",
@@ -224,22 +223,6 @@ def resolve_profile(model_name: str, model_config, eval_task: str, profile_arg: 
 
 
 # -- generation ------------------------------------------------------------------------------------------
-def generate_text(model, tokenizer, prompt_ids: Sequence[int], method: str, budget: int, profile, max_new_tokens: int) -> str:
-    """Greedy answer to one prompt with a fresh cache of `method` (the model must be prepared for it)."""
-    import torch
-
-    device = next(model.parameters()).device
-    ids = torch.tensor([list(prompt_ids)], device=device)
-    cache = make_cache(method, model, budget, profile)
-    with torch.inference_mode():
-        out = model.generate(
-            input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
-            pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
-            **cache_kwargs(model, cache),
-        )
-    return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
-
-
 def _progress(iterable, desc: str, total: int | None = None):
     from tqdm.auto import tqdm
 
@@ -401,26 +384,35 @@ def _run_generation(
     max_new_tokens: int, methods: Sequence[str], budgets: Sequence[int], out: str | Path, max_prompt_tokens: int,
     profile_arg: str | None, dtype: str, model_bundle,
 ) -> dict[str, dict]:
+    """Greedy answers of every method, sample by sample: one dense prefill per sample serves all methods."""
+    from .shared_prefill import dense_prefill, eos_token_ids, greedy_decode
+
     model, tok, _ = model_bundle
     profile, note = resolve_profile(model_name, model.config, task, profile_arg)
-    results = {}
+    eos_ids = eos_token_ids(model, tok)
+    runs = {}
     for method, budget in _method_runs(methods, budgets):
         cfg = {"bench": bench, "model": Path(model_name).name, "setting": task, "task": task, "dtype": dtype,
                "max_prompt_tokens": max_prompt_tokens, "max_new_tokens": max_new_tokens, "method": method,
-               "budget": budget, "profile_note": note if method == "flexicache" else None}
-        run = RunDir(Path(out) / bench / cfg["model"] / task / run_name(method, budget), cfg)
-        done = run.done_ids()
-        prepare_model(model, method)
-        for i, sample in enumerate(_progress(samples, f"{bench} {task} {run_name(method, budget)}")):
-            sid = str(sample.get("_id", i))
-            if sid in done:
-                continue
-            ids = prompt_fn(sample)
-            pred = generate_text(model, tok, ids, method, budget or 1024, profile if method == "flexicache" else None,
-                                 max_new_tokens)
+               "budget": budget, "cache_defaults": cache_defaults(),
+               "profile_note": note if method == "flexicache" else None}
+        runs[(method, budget)] = RunDir(Path(out) / bench / cfg["model"] / task / run_name(method, budget), cfg)
+    for i, sample in enumerate(_progress(samples, f"{bench} {task}")):
+        sid = str(sample.get("_id", i))
+        pending = [(k, r) for k, r in runs.items() if sid not in r.done_ids()]
+        if not pending:
+            continue
+        ids = prompt_fn(sample)
+        prefill = dense_prefill(model, ids)
+        for (method, budget), run in pending:
+            cache = make_cache(method, model, budget or 1024, profile if method == "flexicache" else None)
+            tokens = greedy_decode(model, prefill, method, cache, max_new_tokens, lambda t: t[-1] in eos_ids)
+            pred = tok.decode(tokens, skip_special_tokens=True)
             run.append({"id": sid, "prediction": pred, "score": score_fn(pred, sample), "prompt_tokens": len(ids)})
             rows = run.predictions()
             run.write_metrics({"score": 100.0 * sum(r["score"] for r in rows) / len(rows), "n": len(rows)})
+    results = {}
+    for (method, budget), run in runs.items():
         if (run.path / "metrics.json").exists():
             results[run_name(method, budget)] = json.loads((run.path / "metrics.json").read_text())
     prepare_model(model, "dense")

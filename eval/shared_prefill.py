@@ -10,6 +10,10 @@ method and budget makes the RULER and fidelity grids affordable here.
 layer by layer, exactly the calls a model's own prefill forward makes; decoding then continues
 with ordinary one-token forward passes. `tests/test_eval_shared_prefill.py` checks that this gives
 the same tokens as `model.generate` with a fresh cache, for every method.
+
+Models with sliding-window layers cannot share: such a layer keeps only its last window, and
+handing that to another cache is not the same as its prefill. For them `load_prefill` runs each
+method's own prefill forward instead (same results, no saving).
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import torch
 
 from .methods import cache_kwargs, prepare_model
 
-__all__ = ["DensePrefill", "dense_prefill", "load_prefill", "greedy_decode", "forced_decode"]
+__all__ = ["DensePrefill", "dense_prefill", "load_prefill", "greedy_decode", "forced_decode", "eos_token_ids"]
 
 
 @dataclass
@@ -29,46 +33,47 @@ class DensePrefill:
     """A prompt's dense prefill.
 
     Attributes:
-        kv (`list[tuple[Tensor, Tensor]]`): per layer, keys and values `[1, H_kv, L, D]` after RoPE.
+        prompt_ids (`list[int]`): the prompt.
+        kv (`list[tuple[Tensor, Tensor]]` or None): per layer, keys and values `[1, H_kv, L, D]` after RoPE;
+            None when the model has layers that do not keep their full K/V (each method then prefills itself).
         logits (`torch.Tensor` of shape `[V]`): the next-token logits at the prompt's last position.
     """
 
-    kv: list[tuple[torch.Tensor, torch.Tensor]]
+    prompt_ids: list[int]
+    kv: list[tuple[torch.Tensor, torch.Tensor]] | None
     logits: torch.Tensor
 
     @property
     def length(self) -> int:
-        return int(self.kv[0][0].shape[2])
+        return len(self.prompt_ids)
 
 
 @torch.inference_mode()
 def dense_prefill(model, prompt_ids: Sequence[int]) -> DensePrefill:
-    """Run the prompt once through `model` with sdpa and a `DynamicCache`; keep K/V and last logits.
-
-    Only models whose every layer keeps its full K/V are accepted: a sliding-window layer keeps the
-    last window only, and handing that to another cache would not be the same as its prefill.
-    """
+    """Run the prompt once through `model` with sdpa and a `DynamicCache`; keep its K/V and last logits."""
     from transformers import DynamicCache
     from transformers.cache_utils import DynamicLayer
 
-    device = next(model.parameters()).device
+    prompt_ids = list(prompt_ids)
     prepare_model(model, "dense")
     cache = DynamicCache(config=model.config)
-    if any(type(layer) is not DynamicLayer for layer in cache.layers):
-        raise ValueError(
-            f"Shared prefill needs every layer to keep its full K/V; {type(model).__name__} has sliding-window or "
-            "other layers. Evaluate it per method (one prefill per method) instead."
-        )
-    ids = torch.tensor([list(prompt_ids)], device=device)
-    out = model(input_ids=ids, logits_to_keep=1, use_cache=True, **cache_kwargs(model, cache))
-    return DensePrefill([(layer.keys, layer.values) for layer in cache.layers], out.logits[0, -1])
+    out = _prompt_forward(model, cache, prompt_ids)
+    shareable = all(type(layer) is DynamicLayer for layer in cache.layers)
+    kv = [(layer.keys, layer.values) for layer in cache.layers] if shareable else None
+    return DensePrefill(prompt_ids, kv, out.logits[0, -1])
 
 
-def load_prefill(prefill: DensePrefill, cache, model):
-    """Give `cache` (None: a fresh `DynamicCache`) the prompt's K/V, as the model's own prefill forward would.
+def _prompt_forward(model, cache, prompt_ids: list[int]):
+    ids = torch.tensor([prompt_ids], device=next(model.parameters()).device)
+    return model(input_ids=ids, logits_to_keep=1, use_cache=True, **cache_kwargs(model, cache))
+
+
+@torch.inference_mode()
+def load_prefill(prefill: DensePrefill, cache, model, method: str = "dense"):
+    """Give `cache` (None: a fresh `DynamicCache`) the prompt, as the model's own prefill forward would.
 
     The prefill's tensors are not modified (caches copy what they are given), so one prefill can be
-    loaded into any number of caches.
+    loaded into any number of caches. Leaves `model` set up for `method`.
     """
     if cache is None:
         from transformers import DynamicCache
@@ -76,6 +81,10 @@ def load_prefill(prefill: DensePrefill, cache, model):
         cache = DynamicCache(config=model.config)
     if cache.get_seq_length() != 0:
         raise ValueError("load_prefill needs an empty cache; create a new one for every method and sample.")
+    prepare_model(model, method)
+    if prefill.kv is None:  # not shareable (sliding-window layers): this method's own prefill
+        _prompt_forward(model, cache, prefill.prompt_ids)
+        return cache
     for layer_idx, (k, v) in enumerate(prefill.kv):
         cache.update(k, v, layer_idx)
     return cache
@@ -102,8 +111,7 @@ def greedy_decode(
         stop (*optional*): `fn(tokens so far) -> bool`; generation ends after the token that makes it true.
     """
     device = next(model.parameters()).device
-    cache = load_prefill(prefill, cache, model)
-    prepare_model(model, method)
+    cache = load_prefill(prefill, cache, model, method)
     tokens = [int(prefill.logits.argmax())]
     while len(tokens) < max_new_tokens and not (stop and stop(tokens)):
         tokens.append(int(_step_logits(model, cache, tokens[-1], device).argmax()))
@@ -114,7 +122,15 @@ def greedy_decode(
 def forced_decode(model, prefill: DensePrefill, method: str, cache, forced: Sequence[int]) -> Iterator[torch.Tensor]:
     """Feed `forced` one token per step after the prompt; yield each step's fp32 log-probs `[V]`."""
     device = next(model.parameters()).device
-    cache = load_prefill(prefill, cache, model)
-    prepare_model(model, method)
+    cache = load_prefill(prefill, cache, model, method)
     for token in forced:
         yield torch.log_softmax(_step_logits(model, cache, int(token), device).float(), dim=-1)
+
+
+def eos_token_ids(model, tokenizer) -> set[int]:
+    """The token ids that end a generation: the generation config's EOS ids and the tokenizer's."""
+    ids = getattr(model.generation_config, "eos_token_id", None)
+    ids = set(ids if isinstance(ids, (list, tuple)) else [] if ids is None else [ids])
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return ids

@@ -83,7 +83,19 @@ def test_load_prefill_refuses_a_used_cache(setup):
         load_prefill(pre, cache, model)
 
 
-def test_sliding_window_models_are_refused():
-    model = tiny_model("mistral", sliding_window=8)
-    with pytest.raises(ValueError, match="sliding-window"):
-        dense_prefill(model, list(range(3, 20)))
+@pytest.mark.parametrize("method", ["dense", "quest", "flexicache"])
+def test_sliding_window_models_fall_back_to_their_own_prefill(method):
+    """Gemma3's local layers keep only a window: nothing is shared, each method prefills itself, same tokens."""
+    model = tiny_model("gemma3")
+    model.generation_config.eos_token_id = None
+    profile = HeadProfile.from_unstable(model.config, [(5, 0)])
+    prompt = torch.randint(3, 97, (60,), generator=torch.Generator().manual_seed(4)).tolist()
+    pre = dense_prefill(model, prompt)
+    assert pre.kv is None and pre.length == 60
+    shared = greedy_decode(model, pre, method, _cache(method, model, profile), max_new_tokens=12)
+    prepare_model(model, method)
+    ids = torch.tensor([prompt])
+    with torch.inference_mode():
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False,
+                             **cache_kwargs(model, _cache(method, model, profile)))
+    assert shared == out[0, len(prompt):].tolist()
