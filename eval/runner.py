@@ -188,7 +188,8 @@ def resolve_profile(model_name: str, model_config, eval_task: str, profile_arg: 
     from fc_hf.errors import ProfileError
     from fc_hf.profile import PROFILE_DIR, HeadProfile, attention_shape
 
-    source = profile_arg or str(PROFILE_DIR / f"{Path(model_name).name}.json")
+    bundled = f"{Path(model_name).name}.json"
+    source = profile_arg or str(PROFILE_DIR / bundled)
     try:
         profile = HeadProfile.load(source, config=model_config)
     except ProfileError:
@@ -199,6 +200,7 @@ def resolve_profile(model_name: str, model_config, eval_task: str, profile_arg: 
         chosen = random.Random(0).sample(pairs, max(1, round(0.25 * len(pairs))))
         return HeadProfile.from_unstable(model_config, chosen, extra={"note": FALLBACK_NOTE}), FALLBACK_NOTE
 
+    source = profile_arg or f"profiles/{bundled}"  # as notes show it: no path of this machine
     per_task = _per_task_sets(profile.extra)
     if not per_task:
         tasks = profile.extra.get("tasks")
