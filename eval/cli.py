@@ -61,6 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--tasks", type=_csv(), default=["niah_single_1", "ruler_vt"], help=f"comma list of {RULER_TASKS}")
     r.add_argument("--lengths", type=_csv(int), default=[4096])
     r.add_argument("--limit", type=int, default=4, help="samples per task (0: all)")
+    r.add_argument("--cache-options", default=None,
+                   help="FlexiCacheConfig fields for every method, e.g. page_size=8 (names the run folders)")
     r.add_argument("--per-method-prefill", action="store_true",
                    help="run each method through lm-eval's own loop (one prefill per method) instead of sharing one "
                         "dense prefill per sample")
@@ -110,7 +112,8 @@ def main(argv: list[str] | None = None) -> int:
                                   **common)
     elif args.command == "ruler":
         res = runner.run_ruler(args.model, args.tasks, seq_lengths=args.lengths, limit=args.limit or None,
-                               shared_prefill=not args.per_method_prefill, **common)
+                               shared_prefill=not args.per_method_prefill,
+                               cache_options=runner.parse_cache_options(args.cache_options), **common)
     elif args.command == "longbench":
         res = runner.run_longbench(args.model, args.tasks, data=args.data, limit=args.limit,
                                    max_prompt_tokens=args.max_prompt_tokens, prompt_file=args.prompt_file, **common)

@@ -67,16 +67,22 @@ def answer_stop(lm, until: Sequence[str], eos_ids: set[int]):
 def run_ruler_shared(
     model_name: str, tasks: Sequence[str], methods: Sequence[str], budgets: Sequence[int], out: str | Path,
     seq_lengths: Sequence[int] = (4096,), limit: int | None = 4, profile_arg: str | None = None,
-    dtype: str = "float32", model_bundle=None,
+    dtype: str = "float32", model_bundle=None, cache_options: dict | None = None,
 ) -> dict[str, dict]:
-    """Every (task, length) x (method, budget) of RULER, resumable per sample; returns {key: metrics}."""
+    """Every (task, length) x (method, budget) of RULER, resumable per sample; returns {key: metrics}.
+
+    `cache_options` (e.g. `{"page_size": 8}`) set `FlexiCacheConfig` fields for every method and name the folders.
+    """
+    from fc_hf.config import FlexiCacheConfig
+
     from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
 
     from .lm_eval_model import FlexiCacheLM
     from .methods import make_cache, prepare_model
-    from .runner import RunDir, _method_runs, _progress, cache_defaults, load_model, resolve_profile, run_name
+    from .runner import RunDir, _method_runs, _progress, cache_defaults, load_model, resolve_profile, run_folder
     from .shared_prefill import dense_prefill, eos_token_ids, greedy_decode
 
+    base = FlexiCacheConfig(**(cache_options or {}))
     model, tok, folder = model_bundle or load_model(model_name, dtype)
     eos_ids = eos_token_ids(model, tok)
     results = {}
@@ -90,9 +96,11 @@ def run_ruler_shared(
             for method, budget in _method_runs(methods, budgets):
                 cfg = {"bench": "ruler", "model": Path(model_name).name, "setting": setting, "task": task,
                        "seq_length": int(length), "limit": limit, "dtype": dtype, "method": method, "budget": budget,
-                       "generation": "shared-prefill", "cache_defaults": cache_defaults(),
+                       "generation": "shared-prefill", "cache_defaults": cache_defaults(base),
+                       "cache_options": cache_options or None,
                        "profile_note": note if method == "flexicache" else None}
-                runs[(method, budget)] = RunDir(Path(out) / "ruler" / cfg["model"] / setting / run_name(method, budget), cfg)
+                folder_name = run_folder(method, budget, cache_options)
+                runs[(method, budget)] = RunDir(Path(out) / "ruler" / cfg["model"] / setting / folder_name, cfg)
             eos = lm.tok_decode(lm.eot_token_id, skip_special_tokens=False)
             for sample in _progress(samples, f"ruler {setting}"):
                 pending = [(k, r) for k, r in runs.items() if str(sample.doc_id) not in r.done_ids()]
@@ -108,7 +116,7 @@ def run_ruler_shared(
                 prefill_s = time.time() - t0
                 for (method, budget), run in pending:
                     t0 = time.time()
-                    cache = make_cache(method, model, budget or 1024, profile if method == "flexicache" else None)
+                    cache = make_cache(method, model, budget or 1024, profile if method == "flexicache" else None, base=base)
                     tokens = greedy_decode(model, prefill, method, cache, max_gen, answer_stop(lm, until, eos_ids))
                     text = postprocess_generated_text(generation=lm.tok_decode(tokens), stop=until, think_end_token=None)
                     metrics = task_obj.process_results(sample.doc, [text])
@@ -121,6 +129,6 @@ def run_ruler_shared(
                 del prefill
             for (method, budget), run in runs.items():
                 if (run.path / "metrics.json").exists():
-                    results[f"{setting}/{run_name(method, budget)}"] = json.loads((run.path / "metrics.json").read_text())
+                    results[f"{setting}/{run.path.name}"] = json.loads((run.path / "metrics.json").read_text())
     prepare_model(model, "dense")
     return results

@@ -73,6 +73,11 @@ def run_name(method: str, budget: int | None) -> str:
     return "dense" if method == "dense" else f"{method}-b{budget}"
 
 
+def run_folder(method: str, budget: int | None, cache_options: dict | None = None) -> str:
+    """A run's folder name: `run_name` plus the cache options that set it apart (e.g. "-page_size=8")."""
+    return run_name(method, budget) + "".join(f"-{k}={_option_text(v)}" for k, v in sorted((cache_options or {}).items()))
+
+
 class RunDir:
     """One configuration's results folder.
 
@@ -280,7 +285,7 @@ def run_fidelity(
         cfg = {**base_cfg, "method": method, "budget": budget, "cache_options": cache_options or None,
                "profile": (profile_arg or "bundled-or-fallback") if method == "flexicache" else None,
                "profile_note": note if method == "flexicache" else None}
-        name = run_name(method, budget) + "".join(f"-{k}={_option_text(v)}" for k, v in sorted((cache_options or {}).items()))
+        name = run_folder(method, budget, cache_options)
         runs[(method, budget)] = RunDir(Path(out) / "fidelity" / cfg["model"] / setting / name, cfg)
     base = FlexiCacheConfig(**(cache_options or {}))
 
@@ -323,7 +328,7 @@ RULER_TASKS = ("niah_single_1", "niah_multikey_2", "niah_multikey_3", "ruler_vt"
 def run_ruler(
     model_name: str, tasks: Sequence[str], methods: Sequence[str], budgets: Sequence[int], out: str | Path,
     seq_lengths: Sequence[int] = (4096,), limit: int | None = 4, profile_arg: str | None = None,
-    dtype: str = "float32", model_bundle=None, shared_prefill: bool = True,
+    dtype: str = "float32", model_bundle=None, shared_prefill: bool = True, cache_options: dict | None = None,
 ) -> dict[str, dict]:
     """lm-eval's offline RULER tasks for each method.
 
@@ -335,7 +340,9 @@ def run_ruler(
         from .ruler import run_ruler_shared
 
         return run_ruler_shared(model_name, tasks, methods, budgets, out, seq_lengths, limit, profile_arg, dtype,
-                                model_bundle)
+                                model_bundle, cache_options)
+    if cache_options:
+        raise ValueError("cache options need the shared-prefill route; drop --per-method-prefill.")
     import lm_eval
 
     from .lm_eval_model import FlexiCacheLM
