@@ -29,17 +29,22 @@ def _cache(method, model, profile):
     return make_cache(method, model, BUDGET, profile, base=BASE)
 
 
+def _generate(model, method, profile, prompt, n):
+    """`model.generate` with a fresh cache of `method`: the reference the shared path must equal."""
+    prepare_model(model, method)
+    ids = torch.tensor([prompt])
+    with torch.inference_mode():
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
+                             **cache_kwargs(model, _cache(method, model, profile)))
+    return out[0, len(prompt):].tolist()
+
+
 @pytest.mark.parametrize("method", METHODS)
 def test_greedy_after_shared_prefill_equals_generate(setup, method):
     model, profile, prompt = setup
     pre = dense_prefill(model, prompt)
     shared = greedy_decode(model, pre, method, _cache(method, model, profile), max_new_tokens=24)
-    prepare_model(model, method)
-    ids = torch.tensor([prompt])
-    with torch.inference_mode():
-        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False,
-                             **cache_kwargs(model, _cache(method, model, profile)))
-    assert shared == out[0, len(prompt):].tolist()
+    assert shared == _generate(model, method, profile, prompt, 24)
 
 
 @pytest.mark.parametrize("method", ["dense", "flexicache", "no-rerank"])
@@ -93,9 +98,4 @@ def test_sliding_window_models_fall_back_to_their_own_prefill(method):
     pre = dense_prefill(model, prompt)
     assert pre.kv is None and pre.length == 60
     shared = greedy_decode(model, pre, method, _cache(method, model, profile), max_new_tokens=12)
-    prepare_model(model, method)
-    ids = torch.tensor([prompt])
-    with torch.inference_mode():
-        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False,
-                             **cache_kwargs(model, _cache(method, model, profile)))
-    assert shared == out[0, len(prompt):].tolist()
+    assert shared == _generate(model, method, profile, prompt, 12)
