@@ -85,11 +85,14 @@ def run_ruler_shared(
     base = FlexiCacheConfig(**(cache_options or {}))
     model, tok, folder = model_bundle or load_model(model_name, dtype)
     eos_ids = eos_token_ids(model, tok)
+    # lm-eval's tokenising and answer post-processing, one per length (max_length bounds the prompt)
+    lms = {length: FlexiCacheLM(pretrained=model, tokenizer=tok, method="dense", batch_size=1, max_length=int(length) + 512)
+           for length in seq_lengths}
     results = {}
     for task in tasks:
         profile, note = resolve_profile(model_name, model.config, task, profile_arg)
         for length in seq_lengths:
-            lm = FlexiCacheLM(pretrained=model, tokenizer=tok, method="dense", batch_size=1, max_length=int(length) + 512)
+            lm = lms[length]
             task_obj, samples = ruler_samples(task, length, limit, folder)
             setting = f"{task}-{length}"
             runs = {}

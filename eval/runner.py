@@ -274,11 +274,12 @@ def run_fidelity(
     profile, note = resolve_profile(model_name, model.config, "fidelity", profile_arg)
     print(f"fidelity: {len(tasks)} tasks; profile: {note}")
     setting = f"p{prompt_tokens}-f{forced_tokens}"
+    base = FlexiCacheConfig(**(cache_options or {}))
     base_cfg = {
         "bench": "fidelity", "model": Path(model_name).name, "setting": setting, "dtype": dtype,
         "prompt_tokens": prompt_tokens, "forced_tokens": forced_tokens, "distances": list(distances),
         "offsets": list(offsets), "kinds": list(kinds), "free_run_tokens": free_run_tokens,
-        "tasks": [t.name for t in tasks], "cache_defaults": cache_defaults(FlexiCacheConfig(**(cache_options or {}))),
+        "tasks": [t.name for t in tasks], "cache_defaults": cache_defaults(base),
     }
     runs = {}
     for method, budget in _method_runs(methods, budgets):
@@ -287,7 +288,6 @@ def run_fidelity(
                "profile_note": note if method == "flexicache" else None}
         name = run_folder(method, budget, cache_options)
         runs[(method, budget)] = RunDir(Path(out) / "fidelity" / cfg["model"] / setting / name, cfg)
-    base = FlexiCacheConfig(**(cache_options or {}))
 
     dense_free: dict[str, list[int]] = {}
     for task in _progress(tasks, "fidelity tasks"):
