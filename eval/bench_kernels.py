@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from fc_hf import kernels
-from fc_hf.kernels import reference
+from fc_hf.kernels import torch_backend
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -102,7 +102,7 @@ class Layer:
         self.k_pool[self.table.reshape(-1)] = k.reshape(rows * pages, page_size, head_dim)
         self.v_pool[self.table.reshape(-1)] = v.reshape(rows * pages, page_size, head_dim)
         kp = k.reshape(rows, pages, page_size, head_dim)
-        self.meta = reference.pack_minmax(kp.amax(2), kp.amin(2)).contiguous()
+        self.meta = torch_backend.pack_minmax(kp.amax(2), kp.amin(2)).contiguous()
         self.q_rows = self.query.view(rows, self.group, head_dim)
         self.scaling = head_dim**-0.5
         del k, v, kp
@@ -219,7 +219,7 @@ def sanity_check(layer: Layer, backend: str | None) -> dict:
     dense = layer.dense_sdpa_packed().reshape(layer.rows, layer.group, layer.head_dim).float()
     out = {"all_pages_vs_sdpa": _rel_err(every.attend().float(), dense)}
     topk = Group(layer, all_rows, 64, backend)
-    ref = reference.sparse_decode_attention(
+    ref = torch_backend.sparse_decode_attention(
         topk.q, layer.k_pool, layer.v_pool, topk.slots, topk.sel, layer.context, layer.scaling, None, layer.kv_heads
     )
     out["topk_vs_reference"] = _rel_err(topk.attend().float(), ref.float())

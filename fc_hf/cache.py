@@ -11,6 +11,7 @@ from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLa
 
 from .config import FlexiCacheConfig
 from .errors import FlexiCacheError
+from .kernels import GatherWorkspace
 from .layer import FlexiCacheLayer
 from .profile import HeadProfile, attention_shape
 
@@ -77,6 +78,7 @@ class FlexiCache(Cache):
         self.cache_config = cfg
         self.profile = profile
         self.timings: dict | None = None
+        self.workspace = GatherWorkspace()  # gather buffers of this cache's decode steps (PyTorch backend)
         # Checking that every selected page is resident costs a device sync per head group on CUDA:
         # always on elsewhere, on CUDA only with FLEXICACHE_DEBUG=1 (or by setting this to True).
         self.check_residency: bool | None = None
@@ -227,6 +229,8 @@ class FlexiCache(Cache):
                 for group in layer.groups:
                     group.store = None
                     group.sel = None
+                    group.workspace = None
             else:
                 layer.keys = layer.values = None
         self.layers = []
+        self.workspace.clear()

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 PROMOTION_MODES = ("sync", "deferred")
+PAGE_SCORES = ("quest", "group_mean")  # see fc_hf/selection.py
 
 
 @dataclass
@@ -34,6 +35,13 @@ class FlexiCacheConfig:
         sink_pages (`int`, *optional*, defaults to 1): leading pages (the attention sink) every ranked head always
             selects; they count against the budget, like the page being filled. The authors force none (0); here
             forcing one page cut SmolLM2's KL to dense 5x on continuation (docs/eval/summary.md), so 1 is the default.
+        page_score (`str`, *optional*, defaults to "quest"): how a KV head's page score combines its GQA
+            group's query heads (see `fc_hf/selection.py`): "quest" = max of the Quest bounds (the
+            authors'); "group_mean" = mean over query heads of softmax(scaling * bound) over pages.
+        score_subpages (`int`, *optional*, defaults to 1): MinMax entries per page; S > 1 bounds each
+            `page_size / S`-token sub-page and scores a page by its best sub-page (S times the metadata).
+        recent_pages (`int`, *optional*, defaults to 0): pages before the page being filled that every
+            ranked head always selects (inside the budget).
         backend (`str`, *optional*): "torch" or "triton" forces a kernel backend; None picks by device.
     """
 
@@ -49,6 +57,9 @@ class FlexiCacheConfig:
     streaming_heads: tuple = field(default_factory=tuple)
     streaming_sink_pages: int = 1
     sink_pages: int = 1
+    page_score: str = "quest"
+    score_subpages: int = 1
+    recent_pages: int = 0
     backend: str | None = None
 
     def __post_init__(self):
@@ -87,6 +98,20 @@ class FlexiCacheConfig:
             raise ValueError(
                 f"FlexiCacheConfig.sink_pages must be an integer in [0, {self.pages_per_head - 1}] (fewer than the "
                 f"{self.pages_per_head} pages of the budget, which also holds the page being filled), got {self.sink_pages!r}."
+            )
+        if self.page_score not in PAGE_SCORES:
+            raise ValueError(f"FlexiCacheConfig.page_score must be one of {PAGE_SCORES}, got {self.page_score!r}.")
+        positive_int("score_subpages", self.score_subpages)
+        if self.page_size % self.score_subpages:
+            raise ValueError(
+                f"FlexiCacheConfig.score_subpages ({self.score_subpages}) must divide page_size ({self.page_size})."
+            )
+        if isinstance(self.recent_pages, bool) or not isinstance(self.recent_pages, int) or not (
+            0 <= self.recent_pages and self.sink_pages + self.recent_pages < self.pages_per_head
+        ):
+            raise ValueError(
+                f"FlexiCacheConfig.recent_pages must be an integer >= 0 with sink_pages + recent_pages < "
+                f"{self.pages_per_head} (the budget's pages, one of which is the page being filled), got {self.recent_pages!r}."
             )
         self.dense_layers = tuple(int(x) for x in self.dense_layers)
         self.streaming_heads = tuple((int(a), int(b)) for a, b in self.streaming_heads)

@@ -1,4 +1,8 @@
-"""A head group: KV heads of one layer that share a selection policy and a paged store.
+"""A head group: KV heads of one layer that share a ranking schedule and a paged store.
+
+`HeadGroup` composes a `PageSelector` (selection.py: which pages), the tier moves (tiers.py: where
+they live) and a `PagedKV` store (paged_store.py), and owns the schedule: when the group ranks, what
+it reads between rankings, and when a deferred ranking takes effect.
 
 Each FlexiCache layer splits its KV heads into up to three groups:
 - unstable: every page on the device, re-ranked every `unstable_rerank_interval` steps (1);
@@ -12,7 +16,6 @@ are due, with no Python loop over heads.
 
 from __future__ import annotations
 
-import math
 import time
 from contextlib import contextmanager
 
@@ -20,16 +23,19 @@ import torch
 
 from . import kernels
 from .paged_store import PagedKV
+from .selection import PageSelector
+from .tiers import compaction_headroom, move_tiers
 
 UNSTABLE, STABLE, STREAMING = "unstable", "stable", "streaming"
 
 
 class HeadGroup:
-    def __init__(self, kind: str, heads: list[int], cfg, timings: dict | None):
+    def __init__(self, kind: str, heads: list[int], cfg, timings: dict | None, workspace=None):
         self.kind = kind
         self.heads = heads
         self.cfg = cfg
-        self.k = cfg.pages_per_head
+        self.selector = PageSelector(cfg)
+        self.workspace = workspace  # the cache's gather buffers (kernels.GatherWorkspace), or None
         if kind == UNSTABLE:
             self.interval = cfg.unstable_rerank_interval
         elif kind == STABLE:
@@ -50,7 +56,8 @@ class HeadGroup:
     def init_store(self, batch, head_dim, value_dim, dtype, device):
         self.head_index = torch.tensor(self.heads, device=device)
         self.store = PagedKV(
-            batch, len(self.heads), self.cfg.page_size, head_dim, value_dim, dtype, device, tiered=self.tiered
+            batch, len(self.heads), self.cfg.page_size, head_dim, value_dim, dtype, device, tiered=self.tiered,
+            subpages=self.cfg.score_subpages,
         )
 
     @contextmanager
@@ -73,34 +80,24 @@ class HeadGroup:
             return False
         return step == 1 or step % self.interval == 0
 
-    def _rank(self, query: torch.Tensor, page_valid: torch.Tensor | None) -> torch.Tensor:
-        store = self.store
+    def _rank(self, query: torch.Tensor, page_valid: torch.Tensor | None, scaling: float) -> torch.Tensor:
         with self._timed("scoring"):
-            scores = kernels.score_pages(query, store.meta, store.num_pages, page_valid, backend=self.cfg.backend)
-            kernels.force_sink_pages(scores, self.cfg.sink_pages, page_valid)
+            scores = self.selector.scores(query, self.store, page_valid, scaling)
         with self._timed("selection"):
-            return kernels.select_topk(scores, self.k)
+            return self.selector.choose(scores)
 
-    def _streaming_pages(self) -> torch.Tensor:
-        n, pages = self.store.rows, self.store.num_pages
-        device = self.store.device
-        if pages <= self.k:
-            idx = torch.arange(pages, device=device)
-        else:
-            sink = self.cfg.streaming_sink_pages
-            idx = torch.cat([torch.arange(sink, device=device), torch.arange(pages - (self.k - sink), pages, device=device)])
-        return idx.expand(n, idx.numel())
-
-    def pages_for_step(self, step: int, query: torch.Tensor, page_valid: torch.Tensor | None) -> torch.Tensor:
+    def pages_for_step(
+        self, step: int, query: torch.Tensor, page_valid: torch.Tensor | None, scaling: float = 1.0
+    ) -> torch.Tensor:
         """Logical pages `[N, M]` this group attends to at decode step `step` (never -1: all exist and are resident)."""
         if self.pending is not None:
             self._apply(*self.pending)
             self.pending = None
         if self.kind == STREAMING:
-            return self._streaming_pages()
+            return self.selector.streaming_pages(self.store.rows, self.store.num_pages, self.store.device)
         store = self.store
         if self.is_due(step):
-            new_sel = self._rank(query, page_valid)
+            new_sel = self._rank(query, page_valid, scaling)
             self.rankings += 1
             if step > 1 and self.tiered and self.cfg.promotion == "deferred":
                 # Attend with the current pages now; promote after this step's attention.
@@ -128,27 +125,12 @@ class HeadGroup:
         self.pages_at_rank = pages_at_rank
 
     def _move_tiers(self, new_sel: torch.Tensor) -> None:
-        store = self.store
-        old_pages = self._resident_pages()
-        old_slots = store.slots_for(old_pages)
-        # The page being filled has no host copy yet; it is always selected, so it is never evicted.
-        new_slots, p_rows, p_pages, p_slots, freed = kernels.promotion_plan(old_pages, old_slots, new_sel)
-        if freed.numel():
-            store.transfers.wait_offloads()  # a dropped page's host copy must have landed
-        # Rewrite the table: old entries out, new entries in (kept pages keep their slot, promoted
-        # pages take an evicted page's slot), then copy only the promoted pages host -> device.
-        rows = torch.arange(store.rows, device=store.device)[:, None]
-        store.table[rows.expand_as(old_pages), old_pages] = 0
-        store.table[rows.expand_as(new_sel), new_sel] = new_slots
-        store.release(freed)
-        store.promote(p_rows, p_pages, p_slots)
+        promoted = move_tiers(self.store, self._resident_pages(), new_sel)
         if self.sel is not None:  # the first ranking only drops the prompt's pages; it promotes nothing
-            self.promoted_fractions.append(p_rows.numel() / max(1, new_sel.numel()))
+            self.promoted_fractions.append(promoted / max(1, new_sel.numel()))
         if not self.compacted:
-            # After the first drop, give the freed device memory back: keep top-K plus the pages
-            # that can appear before the next ranking.
-            pages_between = math.ceil(self.interval / store.page_size) + 2 if self.interval < 10**6 else store.grow_pages
-            store.compact(pages_between * store.rows)
+            # After the first drop, give the freed device memory back.
+            self.store.compact(compaction_headroom(self.store, self.interval))
             self.compacted = True
 
     # -- attention -------------------------------------------------------------------------------
@@ -164,7 +146,7 @@ class HeadGroup:
     ) -> torch.Tensor:
         """Sparse decode attention for this group. `query [N, G, D]` -> `[N, G, D]`."""
         store = self.store
-        pages = self.pages_for_step(step, query, page_valid)
+        pages = self.pages_for_step(step, query, page_valid, scaling)
         store.transfers.wait_promotions()
         with self._timed("gather_attention"):
             slots = store.slots_for(pages)
@@ -172,7 +154,7 @@ class HeadGroup:
                 store.check_resident(slots)
             out = kernels.sparse_decode_attention(
                 query, store.k_pool, store.v_pool, slots, pages, store.length, scaling,
-                token_valid, len(self.heads), softcap, backend=self.cfg.backend,
+                token_valid, len(self.heads), softcap, backend=self.cfg.backend, workspace=self.workspace,
             )
         if self.pending is not None:
             # Deferred promotion: start the copies now, so they overlap the rest of the step.

@@ -72,7 +72,9 @@ class FlexiCacheLayer(CacheLayerMixin):
             UNSTABLE: sorted(unstable - streaming),
             STABLE: sorted(set(range(num_kv_heads)) - unstable - streaming),
         }
-        self.groups = [HeadGroup(kind, heads, cfg, owner.timings) for kind, heads in kinds.items() if heads]
+        self.groups = [
+            HeadGroup(kind, heads, cfg, owner.timings, owner.workspace) for kind, heads in kinds.items() if heads
+        ]
         self.length = 0
         self.steps = 0  # decode steps seen by this layer
         self.pending = False  # a placeholder was handed out and not yet consumed by the attention function

@@ -12,7 +12,8 @@ Host tier (`tiered=True`): every full page is written once, when it fills, into
 `host_k/host_v[page, row]` (`[Pcap, N, P, D]`, pinned on CUDA). The host copy is authoritative:
 dropping a device page copies nothing; a promotion copies host -> device.
 
-MinMax cache: `meta[row, page] = [kmax, kmin]` (`[N, Pcap, 2D]`, KV dtype) for every full page,
+MinMax cache: `meta[row, page * S + s] = [kmax, kmin]` of sub-page `s` (`[N, Pcap * S, 2D]`, KV dtype;
+`S = score_subpages`, 1 by default: one entry per page) for every full page,
 written when the page fills, always on the device and never offloaded. It is stored channel-major
 (`meta_t`, `[N, 2D, Pcap]`) and handed out as a transposed view: scoring reads it as the right-hand
 side of a matmul, ~30% faster on a CPU in that layout, while pages are written only once.
@@ -50,11 +51,13 @@ class PagedKV:
         device: torch.device,
         tiered: bool,
         grow_pages: int = 16,
+        subpages: int = 1,
     ):
         self.batch, self.heads, self.page_size = batch, heads, page_size
         self.head_dim, self.value_dim = head_dim, value_dim
         self.dtype, self.device, self.tiered = dtype, device, tiered
         self.rows = batch * heads
+        self.subpages = subpages  # MinMax entries per page
         self.grow_pages = grow_pages  # capacity added per growth, in pages per row
         self.length = 0
         self.transfers = PageTransfers(device)
@@ -99,7 +102,7 @@ class PagedKV:
 
     @property
     def meta(self) -> torch.Tensor:
-        """`[N, Pcap, 2D]` view of the MinMax cache (kmax, kmin per page)."""
+        """`[N, Pcap * S, 2D]` view of the MinMax cache (kmax, kmin per sub-page; S = 1: per page)."""
         return self.meta_t.transpose(1, 2)
 
     # -- slot allocation -----------------------------------------------------------------------
@@ -185,7 +188,9 @@ class PagedKV:
         """Pages `[first, end)` just became full: write their MinMax entries and their host copies."""
         slots = self.table[:, first:end]  # [N, F]
         keys = self.k_pool[slots]  # [N, F, P, D]
-        self.meta_t[:, :, first:end] = torch.cat([keys.amax(dim=2), keys.amin(dim=2)], dim=-1).transpose(1, 2)
+        s = self.subpages
+        sub = keys.view(keys.shape[0], (end - first) * s, self.page_size // s, self.head_dim)
+        self.meta_t[:, :, first * s : end * s] = torch.cat([sub.amax(dim=2), sub.amin(dim=2)], dim=-1).transpose(1, 2)
         if self.tiered:
             self._ensure_host_capacity(end)
             values = self.v_pool[slots]
@@ -201,7 +206,7 @@ class PagedKV:
         if pages > cap:
             new_cap = pages + self.grow_pages
             self.table = _grow_dim(self.table, 1, new_cap)
-            self.meta_t = _grow_dim(self.meta_t, 2, new_cap)
+            self.meta_t = _grow_dim(self.meta_t, 2, new_cap * self.subpages)
 
     def _ensure_host_capacity(self, pages: int) -> None:
         cap = 0 if self.host_k is None else self.host_k.shape[0]

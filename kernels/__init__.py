@@ -1,10 +1,19 @@
 """FlexiCache kernels: page scoring, sparse paged decode attention, promotion planning.
 
 Installed as `fc_hf.kernels` (the repository folder is `kernels/`; see pyproject.toml).
-Each public function dispatches to a Triton kernel on CUDA tensors and to the pure-PyTorch
-reference in `reference.py` otherwise. `FLEXICACHE_BACKEND=torch|triton` forces either.
+
+| module | what it owns |
+|---|---|
+| `dispatch.py` | the public functions: Triton on CUDA tensors, the PyTorch backend otherwise (`FLEXICACHE_BACKEND=torch|triton` forces either) |
+| `torch_backend.py` | the PyTorch implementation: the CPU production path and the reference the Triton kernels are tested against; `GatherWorkspace` (per-cache gather buffers) |
+| `score.py`, `decode.py` | Triton kernels: page scoring, flash-decoding over selected pages |
+| `bruteforce.py` | literal-formula oracles for tests only (never called in production) |
 """
 
 from .dispatch import backend_for, force_sink_pages, promotion_plan, score_pages, select_topk, sparse_decode_attention
+from .torch_backend import GatherWorkspace
 
-__all__ = ["backend_for", "force_sink_pages", "promotion_plan", "score_pages", "select_topk", "sparse_decode_attention"]
+__all__ = [
+    "GatherWorkspace", "backend_for", "force_sink_pages", "promotion_plan", "score_pages", "select_topk",
+    "sparse_decode_attention",
+]

@@ -1,7 +1,7 @@
 """Triton sparse paged decode attention (flash-decoding over each row's selected pages).
 
 Layout (as in flash-linear-attention): `@triton.jit` kernels, then the launchers that check shapes
-and dtypes, then the public function with the same signature as `reference.sparse_decode_attention`.
+and dtypes, then the public function with the same signature as `torch_backend.sparse_decode_attention`.
 
 One program handles one row (a (sequence, KV head) pair) and one split of its selected pages, with
 all G query heads of the GQA group packed as the rows of one `tl.dot`. Pages are reached through the
@@ -290,7 +290,7 @@ def sparse_decode_attention_triton(
 ) -> torch.Tensor:
     """Decode attention of each row's query heads over the tokens of its selected pages (flash-decoding).
 
-    Same contract as `reference.sparse_decode_attention`: a token is attended when its entry's
+    Same contract as `torch_backend.sparse_decode_attention`: a token is attended when its entry's
     `page_idx >= 0`, its position `page_idx * P + t < seq_len` and `token_valid[row // rows_per_batch, pos]`;
     softmax in fp32 over exactly those tokens, fp32 accumulation for fp16/bf16/fp32 inputs, output
     in the query's dtype, zeros for a row with no attendable token. Masked tokens are never loaded.

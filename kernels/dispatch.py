@@ -1,4 +1,4 @@
-"""Choose the Triton kernel or the PyTorch reference for each call."""
+"""Choose the Triton kernel or the PyTorch backend for each call."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import os
 
 import torch
 
-from . import reference
+from . import torch_backend
 
 _VALID = ("auto", "torch", "triton")
 
@@ -34,32 +34,34 @@ def score_pages(query, meta, num_pages, page_valid=None, backend=None):
         from .score import score_pages_triton
 
         return score_pages_triton(query, meta, num_pages, page_valid)
-    return reference.score_pages(query, meta, num_pages, page_valid)
+    return torch_backend.score_pages(query, meta, num_pages, page_valid)
 
 
 def force_sink_pages(scores, sink_pages, page_valid=None, backend=None):
     # One scatter on the scores; the same torch code on every backend.
-    return reference.force_sink_pages(scores, sink_pages, page_valid)
+    return torch_backend.force_sink_pages(scores, sink_pages, page_valid)
 
 
 def select_topk(scores, k, backend=None):
     # torch.topk is used on every backend (see the kernels issue notes for its measured cost).
-    return reference.select_topk(scores, k)
+    return torch_backend.select_topk(scores, k)
 
 
 def sparse_decode_attention(
-    query, k_pool, v_pool, slots, page_idx, seq_len, scaling, token_valid=None, rows_per_batch=1, softcap=None, backend=None
+    query, k_pool, v_pool, slots, page_idx, seq_len, scaling, token_valid=None, rows_per_batch=1, softcap=None,
+    backend=None, workspace=None,
 ):
+    """Sparse paged decode attention; `workspace` (a `GatherWorkspace`) is used by the PyTorch backend only."""
     if backend_for(query, backend) == "triton":
         from .decode import sparse_decode_attention_triton
 
         return sparse_decode_attention_triton(
             query, k_pool, v_pool, slots, page_idx, seq_len, scaling, token_valid, rows_per_batch, softcap
         )
-    return reference.sparse_decode_attention(
-        query, k_pool, v_pool, slots, page_idx, seq_len, scaling, token_valid, rows_per_batch, softcap
+    return torch_backend.sparse_decode_attention(
+        query, k_pool, v_pool, slots, page_idx, seq_len, scaling, token_valid, rows_per_batch, softcap, workspace
     )
 
 
 def promotion_plan(old_pages, old_slots, new_pages, backend=None):
-    return reference.promotion_plan(old_pages, old_slots, new_pages)
+    return torch_backend.promotion_plan(old_pages, old_slots, new_pages)

@@ -1,7 +1,7 @@
 """Triton page scoring: the Quest upper bound of every page, max-reduced over each GQA group.
 
 Layout (as in flash-linear-attention): the `@triton.jit` kernel, then the launcher that checks
-shapes and dtypes, then the public function with the same signature as `reference.score_pages`.
+shapes and dtypes, then the public function with the same signature as `torch_backend.score_pages`.
 """
 
 from __future__ import annotations
@@ -92,7 +92,7 @@ def score_pages_triton(
 ) -> torch.Tensor:
     """Quest upper bound of `q . k` over each page, max-reduced over each GQA group, in one launch.
 
-    Same contract as `reference.score_pages`: fp32 accumulation whatever the input dtype, the last
+    Same contract as `torch_backend.score_pages`: fp32 accumulation whatever the input dtype, the last
     page forced in with +inf, pages marked invalid set to -inf.
 
     Args:

@@ -7,7 +7,7 @@ import torch
 from conftest import left_padded_batch, tiny_model
 
 from fc_hf import FlexiCache, FlexiCacheConfig, HeadProfile
-from fc_hf.kernels import reference as ref
+from fc_hf.kernels import bruteforce, torch_backend as ref
 
 
 def _random_pages(n, pages, page_size, d, seed=0):
@@ -22,7 +22,7 @@ def test_score_equals_literal_formula_and_is_an_upper_bound(groups):
     keys, meta = _random_pages(n, pages, p, d)
     q = torch.randn(n, groups, d)
     s = ref.score_pages(q, meta, pages)
-    brute = ref.score_pages_bruteforce(q, meta[..., d:], meta[..., :d])
+    brute = bruteforce.score_pages_bruteforce(q, meta[..., d:], meta[..., :d])
     torch.testing.assert_close(s[:, :-1], brute[:, :-1], rtol=1e-5, atol=1e-5)
     assert torch.isinf(s[:, -1]).all() and (s[:, -1] > 0).all()  # the page being filled is forced in
     true_max = torch.einsum("ngd,nptd->ngpt", q, keys).amax(-1).amax(1)  # max over the group and the page
@@ -88,7 +88,7 @@ def test_sparse_attention_matches_bruteforce(batch, kv_heads, groups, d, length,
                 allowed[row, p * page_size : (p + 1) * page_size] = True
     allowed[:, length:] = False
     allowed &= torch.nn.functional.pad(token_valid, (0, pages * page_size - length)).repeat_interleave(kv_heads, 0)
-    brute = ref.dense_attention_bruteforce(q, keys, values, allowed, 0.3)
+    brute = bruteforce.dense_attention_bruteforce(q, keys, values, allowed, 0.3)
     torch.testing.assert_close(out, brute, rtol=1e-4, atol=1e-5)
 
 

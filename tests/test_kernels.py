@@ -27,7 +27,7 @@ if not torch.cuda.is_available():
 triton = pytest.importorskip("triton")
 
 from fc_hf.kernels import decode as decode_mod  # noqa: E402
-from fc_hf.kernels import dispatch, reference  # noqa: E402
+from fc_hf.kernels import bruteforce, dispatch, torch_backend  # noqa: E402
 from fc_hf.kernels import score as score_mod  # noqa: E402
 
 # Kernels can only be interpreted if triton's language helpers were decorated with the interpreter on.
@@ -125,7 +125,7 @@ def _score_inputs(n, g, d, num_pages, extra, dtype, with_valid, device, seed=0):
     kmax, kmin = torch.maximum(a, b).to(dtype), torch.minimum(a, b).to(dtype)
     # Pages beyond num_pages hold NaN: the kernel must never read them.
     meta = torch.full((n, num_pages + extra, 2 * d), float("nan"), dtype=dtype)
-    meta[:, :num_pages] = reference.pack_minmax(kmax, kmin)
+    meta[:, :num_pages] = torch_backend.pack_minmax(kmax, kmin)
     valid = None
     if with_valid:
         valid = torch.rand(n, num_pages, generator=gen) > 0.3
@@ -138,7 +138,7 @@ def _score_inputs(n, g, d, num_pages, extra, dtype, with_valid, device, seed=0):
 def test_score_pages_matches_reference_and_bruteforce(device, n, g, d, num_pages, extra, dtype, with_valid):
     query, meta, valid, kmax, kmin = _score_inputs(n, g, d, num_pages, extra, dtype, with_valid, device)
     out = score_pages_triton(query, meta, num_pages, valid).cpu()
-    ref = reference.score_pages(query.cpu(), meta.cpu(), num_pages, None if valid is None else valid.cpu())
+    ref = torch_backend.score_pages(query.cpu(), meta.cpu(), num_pages, None if valid is None else valid.cpu())
     assert out.shape == (n, num_pages) and out.dtype == torch.float32
     # Forced and masked entries must match exactly; finite ones to fp32 summation-order noise.
     assert torch.equal(torch.isposinf(out), torch.isposinf(ref))
@@ -147,7 +147,7 @@ def test_score_pages_matches_reference_and_bruteforce(device, n, g, d, num_pages
     assert torch.isfinite(out[finite]).all()
     if finite.any():
         assert_rel_rms(out[finite], ref[finite], 1e-5, "vs reference")
-        brute = reference.score_pages_bruteforce(query.cpu(), kmin, kmax)
+        brute = bruteforce.score_pages_bruteforce(query.cpu(), kmin, kmax)
         assert_rel_rms(out[finite], brute[finite], 1e-5, "vs brute force")
     assert torch.isposinf(out[:, -1]).all()
 
@@ -163,7 +163,7 @@ def test_score_pages_strided_query_and_meta(device):
     meta = big_meta.transpose(0, 1)  # [N, Pcap, 2D], rows strided
     assert not query.is_contiguous() and not meta.is_contiguous()
     out = score_pages_triton(query.to(device), meta.to(device), num_pages).cpu()
-    ref = reference.score_pages(query, meta, num_pages)
+    ref = torch_backend.score_pages(query, meta, num_pages)
     finite = torch.isfinite(ref)
     assert torch.equal(finite, torch.isfinite(out))
     assert_rel_rms(out[finite], ref[finite], 1e-5, "strided")
@@ -187,7 +187,7 @@ def test_score_pages_rejects_bad_shapes():
 class DecodeCase:
     """A logical KV sequence per row, scattered into NaN-filled pools at randomly permuted slots.
 
-    Attributes mirror `reference.sparse_decode_attention`'s arguments, plus the logical `keys`/`values`
+    Attributes mirror `torch_backend.sparse_decode_attention`'s arguments, plus the logical `keys`/`values`
     `[N, num_pages * P, D]` (in the test dtype) for the brute-force check.
     """
 
@@ -223,8 +223,8 @@ class DecodeCase:
         # Select the top-`budget` pages with the reference scorer, then append unused (-1) entries and shuffle.
         kmax = self.keys.view(n, num_pages, page_size, d).float().amax(2)
         kmin = self.keys.view(n, num_pages, page_size, d).float().amin(2)
-        scores = reference.score_pages(self.query, reference.pack_minmax(kmax, kmin), num_pages)
-        sel = reference.select_topk(scores, budget)
+        scores = torch_backend.score_pages(self.query, torch_backend.pack_minmax(kmax, kmin), num_pages)
+        sel = torch_backend.select_topk(scores, budget)
         sel = torch.cat([sel, torch.full((n, unused), -1, dtype=sel.dtype)], dim=1)
         perm = torch.argsort(torch.rand(sel.shape, generator=gen), dim=1)
         self.page_idx = sel.gather(1, perm)
@@ -254,7 +254,7 @@ class DecodeCase:
 
     def bruteforce(self, softcap=None) -> torch.Tensor:
         if softcap is None:
-            return reference.dense_attention_bruteforce(self.query, self.keys, self.values, self.allowed(), self.d ** -0.5)
+            return bruteforce.dense_attention_bruteforce(self.query, self.keys, self.values, self.allowed(), self.d ** -0.5)
         q, k, v = self.query.double(), self.keys.double(), self.values.double()
         logits = torch.einsum("ngd,nld->ngl", q, k) * self.d ** -0.5
         logits = torch.tanh(logits / softcap) * softcap
@@ -286,7 +286,7 @@ def test_sparse_decode_matches_reference_and_bruteforce(
     out = sparse_decode_attention_triton(*case.args(device), softcap, num_splits=num_splits)
     assert out.shape == (case.n, g, d) and out.dtype == dtype and out.device.type == device
     out = out.cpu()
-    ref = reference.sparse_decode_attention(*case.args("cpu"), softcap)
+    ref = torch_backend.sparse_decode_attention(*case.args("cpu"), softcap)
     brute = case.bruteforce(softcap)
     # flash-attention's rule: the kernel may be at most ~2x as far from the fp64 truth as the
     # same-dtype PyTorch reference, plus a floor of about two output ulps.
@@ -305,7 +305,7 @@ def test_sparse_decode_all_pages_equals_dense(device, index_dtype):
     length = case.num_pages * case.page_size
     tv = torch.zeros(3, length, dtype=torch.bool)
     tv[:, : case.seq_len] = case.token_valid
-    dense = reference.dense_attention_bruteforce(
+    dense = bruteforce.dense_attention_bruteforce(
         case.query, case.keys, case.values, tv[torch.arange(case.n) // case.rows_per_batch], case.d ** -0.5
     )
     assert_rel_rms(out, dense, FLOOR[torch.float32], "vs dense")
@@ -374,7 +374,7 @@ def test_dispatch_pipeline_triton_equals_torch(device):
     n, num_pages = case.n, case.num_pages
     kmax = case.keys.view(n, num_pages, 16, 64).amax(2)
     kmin = case.keys.view(n, num_pages, 16, 64).amin(2)
-    meta = reference.pack_minmax(kmax, kmin)
+    meta = torch_backend.pack_minmax(kmax, kmin)
     results = {}
     for backend in ("torch", "triton"):
         dev = "cpu" if backend == "torch" else device

@@ -10,7 +10,7 @@ import torch
 from conftest import tiny_config
 
 from fc_hf.errors import ProfileError
-from fc_hf.kernels.reference import score_pages_bruteforce
+from fc_hf.kernels.bruteforce import score_pages_bruteforce
 from fc_hf.profile import HeadProfile
 from fc_hf.profiler import (
     PageTracer,

@@ -24,7 +24,7 @@ from transformers import DynamicCache
 import fc_hf.kernels as kernels
 from fc_hf import FlexiCacheConfig, HeadProfile
 from fc_hf.head_group import HeadGroup
-from fc_hf.kernels import reference as ref
+from fc_hf.kernels import bruteforce, torch_backend as ref
 
 EXAMPLES = int(os.environ.get("FLEXICACHE_HYPOTHESIS_EXAMPLES", "12"))
 SETTINGS = settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
@@ -135,7 +135,7 @@ def _check_group(cache, layer, group, query, out, pages, length, token_valid, sc
         for p in chosen:
             allowed[row, p * cfg.page_size : (p + 1) * cfg.page_size] = True
     allowed = allowed[:, :length] & token_valid.repeat_interleave(len(group.heads), 0)
-    brute = ref.dense_attention_bruteforce(query, keys, values, allowed, scaling)
+    brute = bruteforce.dense_attention_bruteforce(query, keys, values, allowed, scaling)
     torch.testing.assert_close(out.float(), brute, rtol=1e-4, atol=1e-5)
 
 

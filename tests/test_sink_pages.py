@@ -5,7 +5,7 @@ import torch
 from conftest import left_padded_batch, tiny_model
 
 from fc_hf import FlexiCache, FlexiCacheConfig, HeadProfile
-from fc_hf.kernels import reference as ref
+from fc_hf.kernels import torch_backend as ref
 
 
 def test_force_sink_pages_without_padding():

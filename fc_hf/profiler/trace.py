@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fc_hf.kernels.reference import score_pages, select_topk
+from fc_hf.kernels.torch_backend import score_pages, select_topk
 from fc_hf.profile import attention_shape
 
 TRACE_ATTENTION = "flexicache_trace"

@@ -1,8 +1,9 @@
-"""Pure-PyTorch reference implementations of FlexiCache's kernels.
+"""The PyTorch backend of FlexiCache's kernels: the production path on a CPU (and wherever Triton is not used).
 
-These are the CPU path *and* the ground truth the Triton kernels are tested against. They are
-written for clarity first, but without Python loops over heads or pages: every function works on
-all rows (one row = one (sequence, KV head) pair) at once.
+The Triton kernels (`score.py`, `decode.py`) are tested against these functions; both are tested
+against the brute-force oracles in `bruteforce.py`, which nothing in production calls. Written
+without Python loops over heads or pages: every function works on all rows (one row = one
+(sequence, KV head) pair) at once.
 
 Shapes used throughout:
     N  rows = batch * KV heads of one head group
@@ -56,17 +57,6 @@ def score_pages(
         scores = scores.masked_fill(~page_valid, NEG_INF)
     scores[:, num_pages - 1] = POS_INF
     return scores
-
-
-def score_pages_bruteforce(query: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor) -> torch.Tensor:
-    """The literal formula `sum_i max(q_i*kmin_i, q_i*kmax_i)`, max over the group. `[N,G,D]`,`[N,Np,D]` -> `[N,Np]`.
-
-    No forcing, no masking: for tests only.
-    """
-    q = query.float()[:, :, None, :]  # [N, G, 1, D]
-    lo = q * kmin.float()[:, None]
-    hi = q * kmax.float()[:, None]
-    return torch.maximum(lo, hi).sum(-1).amax(dim=1)
 
 
 def force_sink_pages(scores: torch.Tensor, sink_pages: int, page_valid: torch.Tensor | None = None) -> torch.Tensor:
@@ -135,22 +125,34 @@ def token_mask(
     return ok
 
 
-# Gather buffers reused across calls: a fresh multi-MB tensor per layer and step is mmap'ed and
-# page-faulted by glibc every time, which made the CPU step ~2.5x slower at batch 4 / budget 2048.
-_WORKSPACE: dict = {}
+class GatherWorkspace:
+    """Gather buffers reused across the layers and steps of one cache.
 
+    A fresh multi-MB tensor per layer and step is mmap'ed and page-faulted by glibc every time, which
+    made the CPU step ~2.5x slower at batch 4 / budget 2048. Each cache owns one workspace (so two
+    caches decoding in two threads never share a buffer) and drops it on `release()`.
+    """
 
-def _gather_pages(pool: torch.Tensor, flat: torch.Tensor, name: str) -> torch.Tensor:
-    """`pool[flat]` written into a reused buffer; valid until the next call with the same `name`."""
-    # Inference-mode tensors cannot be written outside inference mode (and vice versa): one buffer each.
-    key = (name, pool.device, pool.dtype, tuple(pool.shape[1:]), torch.is_inference_mode_enabled())
-    buf = _WORKSPACE.get(key)
-    if buf is None or buf.shape[0] < flat.numel():
-        buf = pool.new_empty((flat.numel(), *pool.shape[1:]))
-        _WORKSPACE[key] = buf
-    out = buf[: flat.numel()]
-    torch.index_select(pool, 0, flat, out=out)
-    return out
+    def __init__(self):
+        self._buffers: dict = {}
+
+    def gather(self, pool: torch.Tensor, flat: torch.Tensor, name: str) -> torch.Tensor:
+        """`pool[flat]` written into a reused buffer; valid until the next call with the same `name`."""
+        # Inference-mode tensors cannot be written outside inference mode (and vice versa): one buffer each.
+        key = (name, pool.device, pool.dtype, tuple(pool.shape[1:]), torch.is_inference_mode_enabled())
+        buf = self._buffers.get(key)
+        if buf is None or buf.shape[0] < flat.numel():
+            buf = pool.new_empty((flat.numel(), *pool.shape[1:]))
+            self._buffers[key] = buf
+        out = buf[: flat.numel()]
+        torch.index_select(pool, 0, flat, out=out)
+        return out
+
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self._buffers.values())
+
+    def clear(self) -> None:
+        self._buffers.clear()
 
 
 def sparse_decode_attention(
@@ -164,6 +166,7 @@ def sparse_decode_attention(
     token_valid: torch.Tensor | None = None,
     rows_per_batch: int = 1,
     softcap: float | None = None,
+    workspace: GatherWorkspace | None = None,
 ) -> torch.Tensor:
     """Decode attention of each row's query heads over the tokens of its selected pages.
 
@@ -180,6 +183,7 @@ def sparse_decode_attention(
         token_valid (`torch.Tensor` of shape `[B, L]`, *optional*): padding mask, True = attend.
         rows_per_batch (`int`): rows per sequence, to map a row to its padding-mask row.
         softcap (`float`, *optional*): logit soft-capping (Gemma-2 style), `tanh(s / c) * c`.
+        workspace (`GatherWorkspace`, *optional*): reused gather buffers; None allocates fresh ones.
 
     Returns:
         `torch.Tensor` of shape `[N, G, D]` in the query's dtype.
@@ -187,8 +191,12 @@ def sparse_decode_attention(
     n, m = slots.shape
     page_size, dim = k_pool.shape[1], k_pool.shape[2]
     flat = slots.reshape(-1)
-    keys = _gather_pages(k_pool, flat, "k").view(n, m * page_size, dim)
-    values = _gather_pages(v_pool, flat, "v").view(n, m * page_size, v_pool.shape[2])
+    if workspace is None:
+        keys, values = k_pool.index_select(0, flat), v_pool.index_select(0, flat)
+    else:
+        keys, values = workspace.gather(k_pool, flat, "k"), workspace.gather(v_pool, flat, "v")
+    keys = keys.view(n, m * page_size, dim)
+    values = values.view(n, m * page_size, v_pool.shape[2])
     logits = torch.matmul(query.to(keys.dtype), keys.transpose(1, 2)).float() * scaling  # [N, G, M*P]
     if softcap is not None:
         logits = torch.tanh(logits / softcap) * softcap
@@ -199,20 +207,6 @@ def sparse_decode_attention(
     probs = torch.nan_to_num(probs, nan=0.0)
     out = torch.matmul(probs.to(values.dtype), values)
     return out.to(query.dtype)
-
-
-def dense_attention_bruteforce(
-    query: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    allowed: torch.Tensor,
-    scaling: float,
-) -> torch.Tensor:
-    """Dense attention over `[N, L, D]` keys with a `[N, L]` boolean mask; for tests. Returns `[N, G, D]` (fp32)."""
-    logits = torch.einsum("ngd,nld->ngl", query.double(), keys.double()) * scaling
-    logits = logits.masked_fill(~allowed[:, None, :], NEG_INF)
-    probs = torch.nan_to_num(torch.softmax(logits, dim=-1), nan=0.0)
-    return torch.einsum("ngl,nld->ngd", probs, values.double()).float()
 
 
 def promotion_plan(

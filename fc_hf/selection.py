@@ -1,0 +1,110 @@
+"""Selection policy: which pages a head group attends to at a ranking.
+
+One place owns scoring (the page bound), combining over the GQA group, forcing (the attention sink,
+a recent window and the page being filled) and choosing (top-K). Where the chosen pages live
+(device or host) is `tiers.py`'s business; when a group ranks is `HeadGroup`'s.
+
+Policies (`FlexiCacheConfig` options):
+- `page_score="quest"`: the Quest bound `relu(q).kmax + min(q,0).kmin` of every page, max over the
+  query heads of the GQA group (the authors' selection).
+- `page_score="group_mean"`: each query head's bounds become a distribution over pages
+  (`softmax(scaling * bound)`), and the group's page score is the mean of those distributions, so one
+  high-norm query head does not choose for the whole group.
+- `score_subpages=S`: MinMax metadata kept for `page_size / S`-token sub-pages; a page's bound is the
+  max of its sub-pages' bounds (tighter; selection is still of whole pages; S times the metadata).
+- `recent_pages=R`: the R pages before the page being filled are always selected (inside the budget).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import kernels
+from .config import PAGE_SCORES
+
+POS_INF = float("inf")
+NEG_INF = float("-inf")
+
+
+def head_bounds(query: torch.Tensor, meta: torch.Tensor, entries: int) -> torch.Tensor:
+    """Quest bound of every metadata entry for every query head: `[N, G, D]`, `[N, >=E, 2D]` -> `[N, G, E]` fp32."""
+    q = query.float()
+    q2 = torch.cat([q.clamp(min=0), q.clamp(max=0)], dim=-1)
+    return torch.matmul(q2, meta[:, :entries].float().transpose(1, 2))
+
+
+def combine_group(bounds: torch.Tensor, how: str, scaling: float, page_valid: torch.Tensor | None) -> torch.Tensor:
+    """Per-head page bounds `[N, G, Np]` -> one score per page `[N, Np]` (fp32), invalid pages at -inf."""
+    if page_valid is not None:
+        bounds = bounds.masked_fill(~page_valid[:, None, :], NEG_INF)
+    if how == "quest":
+        return bounds.amax(dim=1)
+    if how == "group_mean":
+        scores = torch.softmax(bounds * scaling, dim=-1).mean(dim=1)
+        if page_valid is not None:  # keep all-padding pages below every real page
+            scores = scores.masked_fill(~page_valid, NEG_INF)
+        return scores
+    raise ValueError(f"unknown page_score {how!r}; expected one of {PAGE_SCORES}")
+
+
+def force_recent_pages(scores: torch.Tensor, recent: int) -> torch.Tensor:
+    """Force the `recent` pages before the last one (+inf), in place; the last page is forced elsewhere."""
+    num_pages = scores.shape[-1]
+    lo = max(0, num_pages - 1 - recent)
+    if recent > 0 and lo < num_pages - 1:
+        scores[:, lo : num_pages - 1] = POS_INF
+    return scores
+
+
+class PageSelector:
+    """Chooses `K = cfg.pages_per_head` pages per row from a paged store's MinMax metadata.
+
+    Args:
+        cfg (`FlexiCacheConfig`): page size, budget, `page_score`, `score_subpages`, `sink_pages`,
+            `recent_pages`, kernel backend.
+    """
+
+    def __init__(self, cfg):
+        self.cfg = cfg
+        self.k = cfg.pages_per_head
+        self.subpages = cfg.score_subpages
+        self.how = cfg.page_score
+        self.recent = cfg.recent_pages
+
+    def page_scores(
+        self, query: torch.Tensor, meta: torch.Tensor, num_pages: int, page_valid: torch.Tensor | None, scaling: float
+    ) -> torch.Tensor:
+        """Scores `[N, Np]` (fp32) of every page from `meta [N, >= Np*S, 2D]`; forcing not applied."""
+        if self.how == "quest" and self.subpages == 1:  # the kernel path (Triton on CUDA)
+            scores = kernels.score_pages(query, meta, num_pages, page_valid, backend=self.cfg.backend)
+            scores[:, num_pages - 1] = NEG_INF  # re-forced below with the other forced pages
+            return scores
+        s = self.subpages
+        bounds = head_bounds(query, meta, num_pages * s)
+        if s > 1:  # a sub-page not yet written (in the page being filled) is all zeros; that page is forced anyway
+            bounds = bounds.view(*bounds.shape[:2], num_pages, s).amax(dim=-1)
+        return combine_group(bounds, self.how, scaling, page_valid)
+
+    def scores(
+        self, query: torch.Tensor, store, page_valid: torch.Tensor | None, scaling: float = 1.0
+    ) -> torch.Tensor:
+        """Page scores `[N, Np]` (fp32) with the forced pages at +inf and all-padding pages at -inf."""
+        num_pages = store.num_pages
+        scores = self.page_scores(query, store.meta, num_pages, page_valid, scaling)
+        force_recent_pages(scores, self.recent)
+        scores[:, num_pages - 1] = POS_INF  # the page being filled
+        return kernels.force_sink_pages(scores, self.cfg.sink_pages, page_valid)
+
+    def choose(self, scores: torch.Tensor) -> torch.Tensor:
+        """The top-K pages of each row, `[N, min(K, Np)]` (all pages when there are at most K)."""
+        return kernels.select_topk(scores, self.k)
+
+    def streaming_pages(self, rows: int, num_pages: int, device) -> torch.Tensor:
+        """Sink + most recent pages `[rows, min(K, Np)]` (the LServe-like baseline's streaming heads)."""
+        if num_pages <= self.k:
+            idx = torch.arange(num_pages, device=device)
+        else:
+            sink = self.cfg.streaming_sink_pages
+            recent = torch.arange(num_pages - (self.k - sink), num_pages, device=device)
+            idx = torch.cat([torch.arange(sink, device=device), recent])
+        return idx.expand(rows, idx.numel())
