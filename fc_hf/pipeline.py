@@ -12,22 +12,16 @@ one line:
 
 from __future__ import annotations
 
-import inspect
-
 from transformers import AutoModelForCausalLM, PreTrainedModel, pipeline
 from transformers.pipelines import PIPELINE_REGISTRY, TextGenerationPipeline
 
 from .attention import NAME, register
 from .cache import FlexiCache
+from .compat import cache_kwarg
 from .config import FlexiCacheConfig
 from .profile import HeadProfile
 
 TASK = "flexicache-text-generation"
-
-
-def cache_kwarg(model) -> str:
-    """The name `model.forward`/`generate` take a cache under: "cache" from transformers 5.24, else "past_key_values"."""
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 class FlexiCacheTextGenerationPipeline(TextGenerationPipeline):

@@ -11,11 +11,11 @@ so the trace reflects the model, never FlexiCache's own choices.
 from __future__ import annotations
 
 import contextvars
-import inspect
 from dataclasses import dataclass
 
 import torch
 
+from fc_hf.compat import cache_kwarg
 from fc_hf.kernels.torch_backend import score_pages, select_topk
 from fc_hf.profile import attention_shape
 
@@ -181,7 +181,7 @@ def collect_trace(
     register_trace_attention()
     previous = model.config._attn_implementation
     model.set_attn_implementation(TRACE_ATTENTION)
-    cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    cache_arg = cache_kwarg(model)
     device = next(model.parameters()).device
     input_ids = input_ids.to(device)
     eos = _eos_ids(model, tokenizer) if suppress_eos else []
