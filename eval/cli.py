@@ -12,10 +12,13 @@ Examples:
 from __future__ import annotations
 
 import argparse
+from functools import partial
+from typing import Callable, NamedTuple
 
-from .methods import METHODS
+from .loading import DTYPES
+from .methods import METHODS, parse_cache_options
 
-__all__ = ["main", "build_parser"]
+__all__ = ["main", "build_parser", "SUBCOMMANDS"]
 
 
 def _csv(kind=str):
@@ -25,28 +28,29 @@ def _csv(kind=str):
     return parse
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from .leval import DEFAULT_TASKS as LEVAL_TASKS
-    from .longbench import TASKS_EN
-    from .runner import RULER_TASKS
+class Subcommand(NamedTuple):
+    """One `flexicache eval` subcommand: its help line, a function adding its options, and `main(args) -> exit code`."""
 
-    p = argparse.ArgumentParser(prog="flexicache eval", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
-    sub = p.add_subparsers(dest="command", required=True)
+    help: str
+    add_options: Callable[[argparse.ArgumentParser], None]
+    main: Callable[[argparse.Namespace], int]
 
-    def common(sp, default_methods=",".join(METHODS)):
-        sp.add_argument("--model", default="smollm2-135m-instruct", help="bundled model name or a local model folder")
-        sp.add_argument("--methods", type=_csv(), default=_csv()(default_methods), help=f"comma list of {METHODS}; method@BUDGET runs that method at that budget only")
-        sp.add_argument("--budgets", type=_csv(int), default=[1024], help="token budgets, comma list")
-        sp.add_argument("--profile", default=None,
-                        help="head profile file or bundled name (default: profiles/<model>.json, re-voted without "
-                             "the evaluated task when it records per-task sets; random fallback if none)")
-        sp.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-        sp.add_argument("--out", default="results", help="results root (one folder per configuration)")
-        sp.add_argument("--threads", type=int, default=None, help="torch threads (1 is fastest on a shared CPU)")
 
-    f = sub.add_parser("fidelity", help="teacher-forced agreement with dense on real text (continue / recall)")
-    common(f)
+# -- options ---------------------------------------------------------------------------------------------
+def _common(sp, default_methods=",".join(METHODS)):
+    sp.add_argument("--model", default="smollm2-135m-instruct", help="bundled model name or a local model folder")
+    sp.add_argument("--methods", type=_csv(), default=_csv()(default_methods), help=f"comma list of {METHODS}; method@BUDGET runs that method at that budget only")
+    sp.add_argument("--budgets", type=_csv(int), default=[1024], help="token budgets, comma list")
+    sp.add_argument("--profile", default=None,
+                    help="head profile file or bundled name (default: profiles/<model>.json, re-voted without "
+                         "the evaluated task when it records per-task sets; random fallback if none)")
+    sp.add_argument("--dtype", default="float32", choices=list(DTYPES))
+    sp.add_argument("--out", default="results", help="results root (one folder per configuration)")
+    sp.add_argument("--threads", type=int, default=None, help="torch threads (1 is fastest on a shared CPU)")
+
+
+def _fidelity_options(f):
+    _common(f)
     f.add_argument("--prompt-tokens", type=int, default=4096)
     f.add_argument("--forced-tokens", type=int, default=256)
     f.add_argument("--distances", type=_csv(int), default=[2048, 3584], help="recall distances (tokens back)")
@@ -56,8 +60,11 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--cache-options", default=None,
                    help="FlexiCacheConfig fields for every method, e.g. dense_layers=0:1 (names the run folders)")
 
-    r = sub.add_parser("ruler", help="lm-eval's offline RULER tasks")
-    common(r, "dense,flexicache,quest,no-rerank")
+
+def _ruler_options(r):
+    from .ruler import RULER_TASKS
+
+    _common(r, "dense,flexicache,quest,no-rerank")
     r.add_argument("--tasks", type=_csv(), default=["niah_single_1", "ruler_vt"], help=f"comma list of {RULER_TASKS}")
     r.add_argument("--lengths", type=_csv(int), default=[4096])
     r.add_argument("--limit", type=int, default=4, help="samples per task (0: all)")
@@ -67,61 +74,109 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run each method through lm-eval's own loop (one prefill per method) instead of sharing one "
                         "dense prefill per sample")
 
-    lb = sub.add_parser("longbench", help="LongBench (hub THUDM/LongBench or --data folder of <task>.jsonl)")
-    common(lb)
+
+def _longbench_options(lb):
+    from .longbench import TASKS_EN
+
+    _common(lb)
     lb.add_argument("--tasks", type=_csv(), default=list(TASKS_EN))
     lb.add_argument("--data", default=None, help="folder of <task>.jsonl in LongBench's schema (offline)")
     lb.add_argument("--limit", type=int, default=None)
     lb.add_argument("--max-prompt-tokens", type=int, default=7500)
     lb.add_argument("--prompt-file", default=None, help="JSON {task: template} replacing the built-in prompts")
 
-    le = sub.add_parser("leval", help="L-Eval open-ended tasks (hub L4NLP/LEval or --data folder)")
-    common(le)
-    le.add_argument("--tasks", type=_csv(), default=list(LEVAL_TASKS))
+
+def _leval_options(le):
+    from .leval import DEFAULT_TASKS
+
+    _common(le)
+    le.add_argument("--tasks", type=_csv(), default=list(DEFAULT_TASKS))
     le.add_argument("--data", default=None, help="folder of <task>.jsonl in L-Eval's schema (offline)")
     le.add_argument("--limit", type=int, default=None)
     le.add_argument("--max-prompt-tokens", type=int, default=7500)
     le.add_argument("--max-new-tokens", type=int, default=256)
 
-    s = sub.add_parser("summary", help="Markdown retention / fidelity tables and plots of a results folder")
+
+def _summary_options(s):
     s.add_argument("--out", default="results")
     s.add_argument("--no-plots", action="store_true")
-    return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    from . import runner
+# -- running ---------------------------------------------------------------------------------------------
+def _fidelity(args, common):
+    from .fidelity import run_fidelity
 
-    if args.command == "summary":
-        from .summary import write_summary
+    return run_fidelity(args.model, prompt_tokens=args.prompt_tokens, forced_tokens=args.forced_tokens,
+                        distances=args.distances, offsets=args.offsets, kinds=args.kinds, free_run_tokens=args.free_run,
+                        cache_options=parse_cache_options(args.cache_options), **common)
 
-        path = write_summary(args.out, plots=not args.no_plots)
-        print(path.read_text())
-        print(f"wrote {path}")
-        return 0
+
+def _ruler(args, common):
+    from .ruler import run_ruler
+
+    return run_ruler(args.model, args.tasks, seq_lengths=args.lengths, limit=args.limit or None,
+                     shared_prefill=not args.per_method_prefill, cache_options=parse_cache_options(args.cache_options),
+                     **common)
+
+
+def _longbench(args, common):
+    from .generation import run_longbench
+
+    return run_longbench(args.model, args.tasks, data=args.data, limit=args.limit, max_prompt_tokens=args.max_prompt_tokens,
+                         prompt_file=args.prompt_file, **common)
+
+
+def _leval(args, common):
+    from .generation import run_leval
+
+    return run_leval(args.model, args.tasks, data=args.data, limit=args.limit, max_prompt_tokens=args.max_prompt_tokens,
+                     max_new_tokens=args.max_new_tokens, **common)
+
+
+def _evaluate(run, args) -> int:
+    """Run one benchmark over the chosen methods and budgets (options of `_common`) into `--out`."""
     if args.threads:
         import torch
 
         torch.set_num_threads(args.threads)
     common = dict(methods=args.methods, budgets=args.budgets, out=args.out, profile_arg=args.profile, dtype=args.dtype)
-    if args.command == "fidelity":
-        res = runner.run_fidelity(args.model, prompt_tokens=args.prompt_tokens, forced_tokens=args.forced_tokens,
-                                  distances=args.distances, offsets=args.offsets, kinds=args.kinds,
-                                  free_run_tokens=args.free_run, cache_options=runner.parse_cache_options(args.cache_options),
-                                  **common)
-    elif args.command == "ruler":
-        res = runner.run_ruler(args.model, args.tasks, seq_lengths=args.lengths, limit=args.limit or None,
-                               shared_prefill=not args.per_method_prefill,
-                               cache_options=runner.parse_cache_options(args.cache_options), **common)
-    elif args.command == "longbench":
-        res = runner.run_longbench(args.model, args.tasks, data=args.data, limit=args.limit,
-                                   max_prompt_tokens=args.max_prompt_tokens, prompt_file=args.prompt_file, **common)
-    else:
-        res = runner.run_leval(args.model, args.tasks, data=args.data, limit=args.limit,
-                               max_prompt_tokens=args.max_prompt_tokens, max_new_tokens=args.max_new_tokens, **common)
-    if not res:
+    if not run(args, common):
         print("nothing was run (no data reachable for the chosen tasks).")
         return 1
     print(f"results under {args.out}/; `flexicache eval summary --out {args.out}` tabulates them.")
     return 0
+
+
+def _summary(args) -> int:
+    from .summary import write_summary
+
+    path = write_summary(args.out, plots=not args.no_plots)
+    print(path.read_text())
+    print(f"wrote {path}")
+    return 0
+
+
+SUBCOMMANDS: dict[str, Subcommand] = {
+    "fidelity": Subcommand("teacher-forced agreement with dense on real text (continue / recall)", _fidelity_options,
+                           partial(_evaluate, _fidelity)),
+    "ruler": Subcommand("lm-eval's offline RULER tasks", _ruler_options, partial(_evaluate, _ruler)),
+    "longbench": Subcommand("LongBench (hub THUDM/LongBench or --data folder of <task>.jsonl)", _longbench_options,
+                            partial(_evaluate, _longbench)),
+    "leval": Subcommand("L-Eval open-ended tasks (hub L4NLP/LEval or --data folder)", _leval_options,
+                        partial(_evaluate, _leval)),
+    "summary": Subcommand("Markdown retention / fidelity tables and plots of a results folder", _summary_options, _summary),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="flexicache eval", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
+    sub = p.add_subparsers(dest="command", required=True)
+    for name, command in SUBCOMMANDS.items():
+        command.add_options(sub.add_parser(name, help=command.help))
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return SUBCOMMANDS[args.command].main(args)

@@ -14,15 +14,29 @@ Bible (`fc_hf.assets.text_tokens`):
 Per forced step: top-1 agreement with dense and KL(dense || method) of the next-token distributions;
 also each side's accuracy on the true next token. Secondary: the free-running agreement length (how
 many greedy tokens method and dense produce identically from the prompt).
+
+`run_fidelity` runs every method over the tasks into results folders (`results.py`), one dense
+prefill per task shared by all methods (`shared_prefill.py`).
 """
 
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 import torch
+
+from fc_hf.compat import cache_kwargs
+from fc_hf.config import FlexiCacheConfig
+
+from .loading import load_model
+from .methods import cache_defaults, make_cache, method_runs, prepare_model
+from .profile_choice import resolve_profile
+from .results import RunDir, finished_metrics, progress, run_folder
+from .shared_prefill import dense_prefill, forced_decode, greedy_decode
 
 __all__ = [
     "FidelityTask",
@@ -32,6 +46,7 @@ __all__ = [
     "compare_steps",
     "agreement_length",
     "summarize",
+    "run_fidelity",
 ]
 
 RECALL_INSTRUCTION = "\n\nRepeat, word for word, the passage above that begins with \"{cue}\":\n\n"
@@ -123,8 +138,6 @@ def make_tasks(
 
 
 def _forward_kwargs(model, cache) -> dict[str, Any]:
-    from .methods import cache_kwargs
-
     return {**cache_kwargs(model, cache), "use_cache": True}
 
 
@@ -217,3 +230,66 @@ def summarize(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
     for kind in sorted({r["kind"] for r in rows}):
         summary[kind] = block([r for r in rows if r["kind"] == kind])
     return summary
+
+
+def run_fidelity(
+    model_name: str, methods: Sequence[str], budgets: Sequence[int], out: str | Path, prompt_tokens: int = 4096,
+    forced_tokens: int = 256, distances: Sequence[int] = (2048, 3584), offsets: Sequence[int] = (0,),
+    kinds: Sequence[str] = ("continue", "recall"), free_run_tokens: int = 64, profile_arg: str | None = None,
+    dtype: str = "float32", model_bundle=None, text_tokens=None, cache_options: dict | None = None,
+) -> dict[str, dict]:
+    """Teacher-forced fidelity of each method against dense; returns {run name: metrics}.
+
+    Tasks are the outer loop so that dense log-probs are computed once per task and shared by all
+    methods; every (method, budget) has its own results folder. `cache_options` (e.g.
+    `{"dense_layers": (0, 1)}`) set `FlexiCacheConfig` fields for every method and name the folders.
+    """
+    model, tok, _ = model_bundle or load_model(model_name, dtype)
+    tasks = make_tasks(tok, kinds, prompt_tokens, forced_tokens, distances, offsets, text_tokens=text_tokens)
+    profile, note = resolve_profile(model_name, model.config, "fidelity", profile_arg)
+    print(f"fidelity: {len(tasks)} tasks; profile: {note}")
+    setting = f"p{prompt_tokens}-f{forced_tokens}"
+    base = FlexiCacheConfig(**(cache_options or {}))
+    base_cfg = {
+        "bench": "fidelity", "model": Path(model_name).name, "setting": setting, "dtype": dtype,
+        "prompt_tokens": prompt_tokens, "forced_tokens": forced_tokens, "distances": list(distances),
+        "offsets": list(offsets), "kinds": list(kinds), "free_run_tokens": free_run_tokens,
+        "tasks": [t.name for t in tasks], "cache_defaults": cache_defaults(base),
+    }
+    runs = {}
+    for method, budget in method_runs(methods, budgets):
+        cfg = {**base_cfg, "method": method, "budget": budget, "cache_options": cache_options or None,
+               "profile": (profile_arg or "bundled-or-fallback") if method == "flexicache" else None,
+               "profile_note": note if method == "flexicache" else None}
+        name = run_folder(method, budget, cache_options)
+        runs[(method, budget)] = RunDir(Path(out) / "fidelity" / cfg["model"] / setting / name, cfg)
+
+    dense_free: dict[str, list[int]] = {}
+    for task in progress(tasks, "fidelity tasks"):
+        pending = [(k, r) for k, r in runs.items() if task.name not in r.done_ids()]
+        if not pending:
+            continue
+        prefill = dense_prefill(model, task.prompt_ids)  # one dense prefill serves every method (shared_prefill.py)
+        forced = task.target_ids[:-1]
+        dense = torch.stack(list(forced_decode(model, prefill, "dense", None, forced)))
+        targets = task.target_ids[1:]
+        if free_run_tokens:
+            dense_free[task.name] = greedy_decode(model, prefill, "dense", None, free_run_tokens)
+        for (method, budget), run in progress(pending, f"methods on {task.name}"):
+            t0 = time.time()
+            if method == "dense":
+                steps = compare_steps(dense, iter(dense), targets)
+                free_len = free_run_tokens if free_run_tokens else None
+            else:
+                fresh = lambda: make_cache(method, model, budget, profile, base=base)  # noqa: E731
+                steps = compare_steps(dense, forced_decode(model, prefill, method, fresh(), forced), targets)
+                free_len = None
+                if free_run_tokens:
+                    gen = greedy_decode(model, prefill, method, fresh(), free_run_tokens)
+                    free_len = agreement_length(gen, dense_free[task.name])
+            run.append({"id": task.name, "kind": task.kind, "meta": task.meta, **steps,
+                        "free_run_agreement": free_len, "seconds": round(time.time() - t0, 1)})
+            summary = summarize(run.predictions())
+            run.write_metrics({"score": summary["all"]["agreement"], "summary": summary})
+    prepare_model(model, "dense")
+    return finished_metrics(runs.values())

@@ -20,7 +20,9 @@ from pathlib import Path
 from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
 
-from .methods import METHODS, attn_implementation, cache_kwargs, make_cache, prepare_model
+from fc_hf.compat import cache_kwargs
+
+from .methods import METHODS, attn_implementation, make_cache, prepare_model
 
 __all__ = ["FlexiCacheLM"]
 

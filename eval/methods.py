@@ -13,27 +13,36 @@
 |             | the rest are stable heads re-ranked every 4 steps                                   |
 
 The ablation of the paper's Table 3 is no-rerank -> uniform -> flexicache -> flexicache at budget 2048.
+
+This is the one module the accuracy harness and the speed benchmarks (`bench/`) share: the only
+place that turns a method name into a cache (`make_cache`) and an attention implementation. The
+benchmarks also use "offload", transformers' own whole-layer CPU offloading (`CACHE_NAMES`).
+Which keyword `generate` takes the cache under is `fc_hf.compat.cache_kwargs`.
 """
 
 from __future__ import annotations
 
-import inspect
-from dataclasses import replace
-from typing import Any
+from dataclasses import asdict, replace
+from typing import Any, Sequence
 
 __all__ = [
     "METHODS",
+    "CACHE_NAMES",
     "ABLATION",
     "method_config",
     "method_profile",
     "make_cache",
     "attn_implementation",
     "prepare_model",
-    "cache_kwargs",
     "streaming_half",
+    "method_runs",
+    "parse_cache_options",
+    "cache_defaults",
 ]
 
 METHODS = ("dense", "flexicache", "quest", "no-rerank", "uniform", "lserve")
+# Every name `make_cache` knows: the compared methods, and transformers' offloading cache (benchmarks).
+CACHE_NAMES = METHODS + ("offload",)
 ABLATION = (("no-rerank", 1024), ("uniform", 1024), ("flexicache", 1024), ("flexicache", 2048))
 
 NO_RERANK_INTERVAL = 10**9
@@ -97,38 +106,47 @@ def method_profile(method: str, model_config, profile=None):
         return None
     if method == "flexicache":
         if profile is None:
-            raise ValueError("method 'flexicache' needs a head profile (see eval.runner.resolve_profile).")
+            raise ValueError("method 'flexicache' needs a head profile (see eval.profile_choice.resolve_profile).")
         profile.check(model_config)
         return profile
     return HeadProfile.from_unstable(model_config, [], extra={"note": f"all heads stable ({method} baseline)"})
 
 
-def make_cache(method: str, model, budget: int = 1024, profile=None, base=None):
-    """A fresh cache for one `generate` call or one forced sequence (None for dense).
+def make_cache(method: str, model, budget: int = 1024, profile=None, base=None, dense_cache: bool = False):
+    """A fresh cache for one `generate` call or one forced sequence.
 
     Args:
-        method (`str`): one of `METHODS`.
-        model: the model (its config sizes the cache).
+        method (`str`): one of `CACHE_NAMES`.
+        model: the model, or its config (either sizes the cache).
         budget (`int`, *optional*, defaults to 1024): token budget per head.
         profile (`HeadProfile`, *optional*): the unstable heads, used by "flexicache" only.
         base (`FlexiCacheConfig`, *optional*): defaults for the fields a method does not set.
+        dense_cache (`bool`, *optional*, defaults to False): give "dense" a fresh `DynamicCache` (to fill
+            by hand, as the benchmarks do) instead of None.
 
     Returns:
-        A `FlexiCache`, or None for "dense" (transformers then makes its own `DynamicCache`).
+        A `FlexiCache`; for "dense" None (transformers then makes its own `DynamicCache`) unless
+        `dense_cache`; for "offload" a `DynamicCache(offloading=True)` (CUDA only).
     """
-    _check(method)
-    if method == "dense":
-        return None
+    if method not in CACHE_NAMES:
+        raise ValueError(f"Unknown method {method!r}; choose from {CACHE_NAMES}.")
+    config = getattr(model, "config", model)
+    if method in ("dense", "offload"):
+        from transformers import DynamicCache
+
+        if method == "offload":
+            return DynamicCache(config=config, offloading=True)
+        return DynamicCache(config=config) if dense_cache else None
     from fc_hf.cache import FlexiCache
 
-    config = model.config
     return FlexiCache(config, method_config(method, budget, config, base), method_profile(method, config, profile))
 
 
 def attn_implementation(method: str) -> str:
-    """The attention implementation a method needs: "sdpa" for dense, "flexicache" otherwise."""
-    _check(method)
-    return "sdpa" if method == "dense" else "flexicache"
+    """The attention implementation a method needs: "sdpa" for dense (and "offload"), "flexicache" otherwise."""
+    if method not in CACHE_NAMES:
+        raise ValueError(f"Unknown method {method!r}; choose from {CACHE_NAMES}.")
+    return "sdpa" if method in ("dense", "offload") else "flexicache"
 
 
 def prepare_model(model, method: str):
@@ -143,10 +161,40 @@ def prepare_model(model, method: str):
     return model
 
 
-def cache_kwargs(model, cache) -> dict[str, Any]:
-    """`{name: cache}` under the keyword this transformers version uses (`cache`, formerly
-    `past_key_values`); empty for None."""
-    if cache is None:
-        return {}
-    params = inspect.signature(model.forward).parameters
-    return {"cache" if "cache" in params else "past_key_values": cache}
+def method_runs(methods: Sequence[str], budgets: Sequence[int]) -> list[tuple[str, int | None]]:
+    """(method, budget) pairs: each method at every budget, or only at B when written "method@B"."""
+    runs = []
+    for spec in methods:
+        m, _, only = spec.partition("@")
+        if m not in METHODS:
+            raise ValueError(f"Unknown method {m!r}; choose from {METHODS} (optionally as method@BUDGET).")
+        if only and not only.isdigit():
+            raise ValueError(f"{spec!r}: the budget after '@' must be a number of tokens, e.g. flexicache@2048.")
+        pairs = [(m, None)] if m == "dense" else [(m, int(b)) for b in ([only] if only else budgets)]
+        runs.extend(p for p in pairs if p not in runs)
+    return runs
+
+
+def parse_cache_options(text: str | None) -> dict[str, Any]:
+    """"dense_layers=0:1,rerank_interval=8" -> {"dense_layers": (0, 1), "rerank_interval": 8}: `FlexiCacheConfig`
+    fields set for every method of a run (`base` of `make_cache`)."""
+    options: dict[str, Any] = {}
+    for item in filter(None, (text or "").split(",")):
+        key, _, value = item.partition("=")
+        if ":" in value or key.strip() in ("dense_layers",):
+            options[key.strip()] = tuple(int(v) for v in value.split(":") if v)
+        else:
+            try:
+                options[key.strip()] = int(value)
+            except ValueError:
+                options[key.strip()] = {"true": True, "false": False}.get(value.lower(), value)
+    return options
+
+
+def cache_defaults(base=None) -> dict[str, Any]:
+    """The `FlexiCacheConfig` fields no method sets, recorded in every run's config so that a resumed run
+    never mixes results made under different defaults."""
+    from fc_hf.config import FlexiCacheConfig
+
+    cfg = asdict(base or FlexiCacheConfig())
+    return {k: cfg[k] for k in ("page_size", "rerank_interval", "sink_pages", "promotion", "dense_layers")}

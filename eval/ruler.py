@@ -5,18 +5,29 @@ and scores the answers (`task.process_results`); this module only replaces the g
 that the prompt is prefilled once and each method decodes from it (`shared_prefill.py`). Tokenising,
 stop strings and answer post-processing are lm-eval's `HFLM` code paths, so a method's answer is the
 one `lm_eval --model flexicache` would produce (checked on the dense runs: same answers, same
-scores). `runner.run_ruler(..., shared_prefill=False)` keeps the plain lm-eval route.
+scores). `run_ruler(..., shared_prefill=False)` keeps the plain lm-eval route (`run_ruler_lm_eval`:
+each method through `lm_eval.simple_evaluate`, one prefill per method).
 """
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-__all__ = ["RulerSample", "ruler_samples", "answer_stop", "run_ruler_shared"]
+from fc_hf.config import FlexiCacheConfig
+
+from .loading import load_model
+from .methods import cache_defaults, make_cache, method_runs, prepare_model
+from .profile_choice import resolve_profile
+from .results import RunDir, finished_metrics, progress, run_folder, run_name
+from .shared_prefill import dense_prefill, eos_token_ids, greedy_decode
+
+__all__ = ["RULER_TASKS", "RulerSample", "ruler_samples", "answer_stop", "run_ruler", "run_ruler_shared",
+           "run_ruler_lm_eval"]
+
+RULER_TASKS = ("niah_single_1", "niah_multikey_2", "niah_multikey_3", "ruler_vt", "ruler_cwe", "ruler_fwe")
 
 
 @dataclass
@@ -73,14 +84,9 @@ def run_ruler_shared(
 
     `cache_options` (e.g. `{"page_size": 8}`) set `FlexiCacheConfig` fields for every method and name the folders.
     """
-    from fc_hf.config import FlexiCacheConfig
-
     from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
 
     from .lm_eval_model import FlexiCacheLM
-    from .methods import make_cache, prepare_model
-    from .runner import RunDir, _method_runs, _progress, cache_defaults, load_model, resolve_profile, run_folder
-    from .shared_prefill import dense_prefill, eos_token_ids, greedy_decode
 
     base = FlexiCacheConfig(**(cache_options or {}))
     model, tok, folder = model_bundle or load_model(model_name, dtype)
@@ -96,7 +102,7 @@ def run_ruler_shared(
             task_obj, samples = ruler_samples(task, length, limit, folder)
             setting = f"{task}-{length}"
             runs = {}
-            for method, budget in _method_runs(methods, budgets):
+            for method, budget in method_runs(methods, budgets):
                 cfg = {"bench": "ruler", "model": Path(model_name).name, "setting": setting, "task": task,
                        "seq_length": int(length), "limit": limit, "dtype": dtype, "method": method, "budget": budget,
                        "generation": "shared-prefill", "cache_defaults": cache_defaults(base),
@@ -105,7 +111,7 @@ def run_ruler_shared(
                 folder_name = run_folder(method, budget, cache_options)
                 runs[(method, budget)] = RunDir(Path(out) / "ruler" / cfg["model"] / setting / folder_name, cfg)
             eos = lm.tok_decode(lm.eot_token_id, skip_special_tokens=False)
-            for sample in _progress(samples, f"ruler {setting}"):
+            for sample in progress(samples, f"ruler {setting}"):
                 pending = [(k, r) for k, r in runs.items() if str(sample.doc_id) not in r.done_ids()]
                 if not pending:
                     continue
@@ -130,8 +136,77 @@ def run_ruler_shared(
                     rows = run.predictions()
                     run.write_metrics({"score": sum(r["score"] for r in rows) / len(rows), "n": len(rows)})
                 del prefill
-            for (method, budget), run in runs.items():
-                if (run.path / "metrics.json").exists():
-                    results[f"{setting}/{run.path.name}"] = json.loads((run.path / "metrics.json").read_text())
+            results.update(finished_metrics(runs.values(), prefix=f"{setting}/"))
     prepare_model(model, "dense")
+    return results
+
+
+def run_ruler(
+    model_name: str, tasks: Sequence[str], methods: Sequence[str], budgets: Sequence[int], out: str | Path,
+    seq_lengths: Sequence[int] = (4096,), limit: int | None = 4, profile_arg: str | None = None,
+    dtype: str = "float32", model_bundle=None, shared_prefill: bool = True, cache_options: dict | None = None,
+) -> dict[str, dict]:
+    """lm-eval's offline RULER tasks for each method.
+
+    `shared_prefill` (default): one dense prefill per sample serves every method (`run_ruler_shared`;
+    resumable per sample). False: each method runs through `lm_eval.simple_evaluate` with
+    `FlexiCacheLM` (resumable per sample through lm-eval's request cache).
+    """
+    if shared_prefill:
+        return run_ruler_shared(model_name, tasks, methods, budgets, out, seq_lengths, limit, profile_arg, dtype,
+                                model_bundle, cache_options)
+    if cache_options:
+        raise ValueError("cache options need the shared-prefill route; drop --per-method-prefill.")
+    return run_ruler_lm_eval(model_name, tasks, methods, budgets, out, seq_lengths, limit, profile_arg, dtype,
+                             model_bundle)
+
+
+def run_ruler_lm_eval(
+    model_name: str, tasks: Sequence[str], methods: Sequence[str], budgets: Sequence[int], out: str | Path,
+    seq_lengths: Sequence[int] = (4096,), limit: int | None = 4, profile_arg: str | None = None,
+    dtype: str = "float32", model_bundle=None,
+) -> dict[str, dict]:
+    """Each method through `lm_eval.simple_evaluate` with `FlexiCacheLM` (one prefill per method; resumable
+    per sample through lm-eval's request cache in the run folder)."""
+    import lm_eval
+
+    from .lm_eval_model import FlexiCacheLM
+
+    model, tok, folder = model_bundle or load_model(model_name, dtype)
+    results = {}
+    for task in tasks:
+        for length in seq_lengths:
+            for method, budget in method_runs(methods, budgets):
+                # Resolved per run, so a long sweep picks up a profile that lands meanwhile.
+                profile, note = resolve_profile(model_name, model.config, task, profile_arg)
+                cfg = {"bench": "ruler", "model": Path(model_name).name, "setting": f"{task}-{length}", "task": task,
+                       "seq_length": int(length), "limit": limit, "dtype": dtype, "method": method, "budget": budget,
+                       "profile_note": note if method == "flexicache" else None}
+                run = RunDir(Path(out) / "ruler" / cfg["model"] / cfg["setting"] / run_name(method, budget), cfg)
+                done = run.metrics()
+                if done is not None and done.get("limit") == limit:
+                    results[f"{task}-{length}/{run_name(method, budget)}"] = done
+                    continue
+                print(f"ruler {task} @ {length}: {run_name(method, budget)}")
+                lm = FlexiCacheLM(pretrained=model, tokenizer=tok, method=method, token_budget=budget or 1024,
+                                  profile=profile if method == "flexicache" else None, batch_size=1,
+                                  max_length=int(length) + 512)
+                t0 = time.time()
+                res = lm_eval.simple_evaluate(
+                    model=lm, tasks=[task], limit=limit, log_samples=True, bootstrap_iters=0,
+                    use_cache=str(run.path / "lm_eval_requests"),
+                    metadata={"max_seq_lengths": [int(length)], "tokenizer": str(folder)},
+                )
+                samples = res["samples"][task]
+                if run.predictions_file.exists():
+                    run.predictions_file.unlink()
+                for s in samples:
+                    run.append({"id": s["doc_id"], "target": s.get("target"), "response": s["filtered_resps"][0],
+                                "score": s.get(f"{length}")})
+                task_res = res["results"][task]
+                score = task_res.get(f"{length},none")
+                run.write_metrics({"score": None if score in (None, -1) else float(score), "n": len(samples),
+                                   "lm_eval": {k: v for k, v in task_res.items() if isinstance(v, (int, float, str))},
+                                   "seconds": round(time.time() - t0, 1)})
+                results[f"{task}-{length}/{run_name(method, budget)}"] = run.metrics()
     return results

@@ -23,7 +23,9 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
-from .methods import cache_kwargs, prepare_model
+from fc_hf.compat import cache_kwargs
+
+from .methods import prepare_model
 
 __all__ = ["DensePrefill", "dense_prefill", "load_prefill", "greedy_decode", "forced_decode", "eos_token_ids"]
 

@@ -5,6 +5,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from fc_hf.compat import cache_kwargs
 from fc_hf.config import FlexiCacheConfig
 from fc_hf.eval import methods as M
 from fc_hf.profile import HeadProfile
@@ -58,8 +59,8 @@ def test_method_profiles(tiny):
 def test_attn_implementation_and_cache_kwarg(tiny):
     assert M.attn_implementation("dense") == "sdpa"
     assert M.attn_implementation("quest") == "flexicache"
-    assert M.cache_kwargs(tiny, None) == {}
-    (key,) = M.cache_kwargs(tiny, object())
+    assert cache_kwargs(tiny, None) == {}
+    (key,) = cache_kwargs(tiny, object())
     assert key in ("cache", "past_key_values")
 
 

@@ -11,7 +11,7 @@ pytest.importorskip("wonderwords")
 
 from test_eval_lm_eval import word_tokenizer  # noqa: E402
 
-from fc_hf.eval import runner  # noqa: E402
+from fc_hf.eval import ruler  # noqa: E402
 
 
 def _rows(root, method):
@@ -28,8 +28,8 @@ def test_shared_prefill_answers_equal_lm_eval_route(tmp_path):
     tok.save_pretrained(tmp_path / "tok")
     bundle = (model, tok, str(tmp_path / "tok"))
     common = dict(seq_lengths=(256,), limit=2, model_bundle=bundle)
-    runner.run_ruler("tiny", ["niah_single_1"], ["dense", "quest"], [32], tmp_path / "shared", **common)
-    runner.run_ruler("tiny", ["niah_single_1"], ["dense", "quest"], [32], tmp_path / "lm_eval", shared_prefill=False, **common)
+    ruler.run_ruler("tiny", ["niah_single_1"], ["dense", "quest"], [32], tmp_path / "shared", **common)
+    ruler.run_ruler("tiny", ["niah_single_1"], ["dense", "quest"], [32], tmp_path / "lm_eval", shared_prefill=False, **common)
     for method in ("dense", "quest-b32"):
         shared, own = _rows(tmp_path / "shared", method), _rows(tmp_path / "lm_eval", method)
         assert len(shared) == 2
@@ -37,5 +37,5 @@ def test_shared_prefill_answers_equal_lm_eval_route(tmp_path):
                [(r["id"], r["target"], r["response"], r["score"]) for r in own]
         assert all(r["prompt_tokens"] > 2 * 32 for r in shared)  # more than the budget: quest drops pages
     # resuming finds every sample done and appends nothing
-    runner.run_ruler("tiny", ["niah_single_1"], ["dense", "quest"], [32], tmp_path / "shared", **common)
+    ruler.run_ruler("tiny", ["niah_single_1"], ["dense", "quest"], [32], tmp_path / "shared", **common)
     assert len(_rows(tmp_path / "shared", "quest-b32")) == 2

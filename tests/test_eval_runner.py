@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from fc_hf.eval import runner, summary
+from fc_hf.eval import fidelity, generation, methods, profile_choice, results, summary
 from fc_hf.eval.cli import build_parser
 from fc_hf.profile import HeadProfile
 
@@ -37,45 +37,45 @@ def tiny():
 
 
 def test_rundir_resume_and_mismatch(tmp_path):
-    run = runner.RunDir(tmp_path / "r", {"bench": "x", "budget": 1024, "tasks": ["a"]})
+    run = results.RunDir(tmp_path / "r", {"bench": "x", "budget": 1024, "tasks": ["a"]})
     run.append({"id": "a", "score": 1.0})
     with open(run.predictions_file, "a") as f:
         f.write('{"id": "b", "sco')  # a line cut by an interrupted write
-    again = runner.RunDir(tmp_path / "r", {"bench": "x", "budget": 1024, "tasks": ["a", "b"]})  # tasks may grow
+    again = results.RunDir(tmp_path / "r", {"bench": "x", "budget": 1024, "tasks": ["a", "b"]})  # tasks may grow
     assert again.done_ids() == {"a"}
     assert json.loads((tmp_path / "r" / "config.json").read_text())["tasks"] == ["a", "b"]
     with pytest.raises(ValueError, match="budget"):
-        runner.RunDir(tmp_path / "r", {"bench": "x", "budget": 2048})
+        results.RunDir(tmp_path / "r", {"bench": "x", "budget": 2048})
 
 
 def test_resolve_profile_revotes_without_the_evaluated_task(tiny, tmp_path):
     per_task = {"ruler_vt": [[0, 0], [1, 1]], "fidelity": [[0, 1]], "gov_report": [[0, 1], [1, 0]]}
     prof = HeadProfile.from_unstable(tiny.config, [(0, 0), (1, 1)], extra={"per_task_unstable": per_task, "tasks": list(per_task)})
     path = prof.save(tmp_path / "p.json")
-    got, note = runner.resolve_profile("tiny", tiny.config, "ruler_vt", str(path))
+    got, note = profile_choice.resolve_profile("tiny", tiny.config, "ruler_vt", str(path))
     assert got.unstable == {(0, 1), (1, 0)}  # (0,1) has two votes, then (1,0); ruler_vt's own set is ignored
     assert "excluded ['ruler_vt']" in note
-    got, _ = runner.resolve_profile("tiny", tiny.config, "fidelity", str(path))
+    got, _ = profile_choice.resolve_profile("tiny", tiny.config, "fidelity", str(path))
     assert (0, 1) in got.unstable and len(got.unstable) == 2
 
 
 def test_resolve_profile_without_per_task_sets_says_so(tiny, tmp_path):
     path = HeadProfile.from_unstable(tiny.config, [(1, 0)], extra={"tasks": ["a"]}).save(tmp_path / "p.json")
-    got, note = runner.resolve_profile("tiny", tiny.config, "ruler_vt", str(path))
+    got, note = profile_choice.resolve_profile("tiny", tiny.config, "ruler_vt", str(path))
     assert got.unstable == {(1, 0)} and "could not be excluded" in note
 
 
 def test_resolve_profile_fallback_is_marked(tiny):
-    got, note = runner.resolve_profile("no-such-model-xyz", tiny.config, "ruler_vt")
-    assert note == runner.FALLBACK_NOTE and len(got.unstable) == 1  # 25% of 4 heads
-    again, _ = runner.resolve_profile("no-such-model-xyz", tiny.config, "ruler_vt")
+    got, note = profile_choice.resolve_profile("no-such-model-xyz", tiny.config, "ruler_vt")
+    assert note == profile_choice.FALLBACK_NOTE and len(got.unstable) == 1  # 25% of 4 heads
+    again, _ = profile_choice.resolve_profile("no-such-model-xyz", tiny.config, "ruler_vt")
     assert again.unstable == got.unstable  # deterministic
 
 
 def test_fidelity_run_end_to_end_resumes_and_summarizes(tiny, tmp_path, capsys):
     kwargs = dict(methods=["dense", "no-rerank", "quest"], budgets=[32], out=tmp_path, prompt_tokens=160, forced_tokens=6,
                   distances=(48,), free_run_tokens=3, model_bundle=(tiny, CharTokenizer(), None), text_tokens=text_tokens)
-    res = runner.run_fidelity("tiny", **kwargs)
+    res = fidelity.run_fidelity("tiny", **kwargs)
     assert set(res) == {"dense", "no-rerank-b32", "quest-b32"}
     assert res["dense"]["score"] == 1.0
     for name in ("no-rerank-b32", "quest-b32"):
@@ -88,7 +88,7 @@ def test_fidelity_run_end_to_end_resumes_and_summarizes(tiny, tmp_path, capsys):
     rows = [json.loads(l) for l in (folder / "predictions.jsonl").read_text().splitlines()]
     assert [r["id"] for r in rows] == ["continue-o0", "recall-d48-o0"] and len(rows[0]["agree"]) == 6
     # A second call finds everything done and appends nothing.
-    runner.run_fidelity("tiny", **kwargs)
+    fidelity.run_fidelity("tiny", **kwargs)
     assert len((folder / "predictions.jsonl").read_text().splitlines()) == 2
 
     path = summary.write_summary(tmp_path, plots=True)
@@ -141,14 +141,14 @@ def test_cli_parses_lists():
     args = build_parser().parse_args(["ruler"])
     assert args.tasks == ["niah_single_1", "ruler_vt"] and args.methods == ["dense", "flexicache", "quest", "no-rerank"]
     with pytest.raises(ValueError, match="Unknown method"):
-        runner._method_runs(["dense", "h2o"], [1024])
+        methods.method_runs(["dense", "h2o"], [1024])
 
 
 def test_longbench_run_offline_skips_missing_and_scores_fixture(tiny, tmp_path, capsys):
     from pathlib import Path
 
     data = Path(__file__).parent / "fixtures" / "longbench"
-    res = runner.run_longbench("tiny", ["passage_count", "qasper"], ["dense"], [64], tmp_path, data=str(data),
+    res = generation.run_longbench("tiny", ["passage_count", "qasper"], ["dense"], [64], tmp_path, data=str(data),
                                max_prompt_tokens=64, model_bundle=(tiny, CharTokenizer(), None))
     assert set(res) == {"passage_count"}  # qasper has no fixture: skipped with one line
     assert "qasper" in capsys.readouterr().out
@@ -158,23 +158,23 @@ def test_longbench_run_offline_skips_missing_and_scores_fixture(tiny, tmp_path, 
 
 def test_excluded_tasks_follow_shared_material():
     profiler_tasks = ["kjv-continue", "kjv-recall", "kjv-summary", "ruler-niah", "ruler-vt"]
-    assert runner.excluded_tasks("fidelity", profiler_tasks) == ["kjv-continue", "kjv-recall"]
-    assert runner.excluded_tasks("niah_multikey_2", profiler_tasks) == ["ruler-niah"]
-    assert runner.excluded_tasks("ruler_vt", profiler_tasks) == ["ruler-vt"]
-    assert runner.excluded_tasks("hotpotqa", profiler_tasks) == []
+    assert profile_choice.excluded_tasks("fidelity", profiler_tasks) == ["kjv-continue", "kjv-recall"]
+    assert profile_choice.excluded_tasks("niah_multikey_2", profiler_tasks) == ["ruler-niah"]
+    assert profile_choice.excluded_tasks("ruler_vt", profiler_tasks) == ["ruler-vt"]
+    assert profile_choice.excluded_tasks("hotpotqa", profiler_tasks) == []
 
 
 def test_resolve_profile_keeps_profile_when_no_task_shares_material(tiny, tmp_path):
     prof = HeadProfile.from_unstable(tiny.config, [(0, 0)], extra={"per_task_unstable": {"ruler-vt": [[0, 0]]}})
-    got, note = runner.resolve_profile("tiny", tiny.config, "hotpotqa", str(prof.save(tmp_path / "p.json")))
+    got, note = profile_choice.resolve_profile("tiny", tiny.config, "hotpotqa", str(prof.save(tmp_path / "p.json")))
     assert got.unstable == {(0, 0)} and "none shares" in note
 
 
 def test_parse_cache_options():
-    assert runner.parse_cache_options("dense_layers=0:1,rerank_interval=8,offload=false") == {
+    assert methods.parse_cache_options("dense_layers=0:1,rerank_interval=8,offload=false") == {
         "dense_layers": (0, 1), "rerank_interval": 8, "offload": False}
-    assert runner.parse_cache_options("dense_layers=0") == {"dense_layers": (0,)}
-    assert runner.parse_cache_options(None) == {}
+    assert methods.parse_cache_options("dense_layers=0") == {"dense_layers": (0,)}
+    assert methods.parse_cache_options(None) == {}
 
 
 def test_summary_labels_cache_option_variants_apart():

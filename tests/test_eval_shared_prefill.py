@@ -4,9 +4,10 @@ import pytest
 import torch
 from conftest import tiny_model
 
+from fc_hf.compat import cache_kwargs
 from fc_hf.config import FlexiCacheConfig
 from fc_hf.eval import fidelity as F
-from fc_hf.eval.methods import METHODS, cache_kwargs, make_cache, prepare_model
+from fc_hf.eval.methods import METHODS, make_cache, prepare_model
 from fc_hf.eval.shared_prefill import dense_prefill, forced_decode, greedy_decode, load_prefill
 from fc_hf.profile import HeadProfile
 
