@@ -12,7 +12,11 @@ import math
 import pytest
 import torch
 
-from fc_hf.eval import bench, bench_common, bench_gpu, bench_memory, bench_report
+from fc_hf.eval.bench import cli as bench
+from fc_hf.eval.bench import common as bench_common
+from fc_hf.eval.bench import gpu as bench_gpu
+from fc_hf.eval.bench import memory as bench_memory
+from fc_hf.eval.bench import report as bench_report
 
 
 def test_spread_profile_marks_a_quarter_of_heads_across_layers():

@@ -15,8 +15,8 @@ Stages, each guarded so a failure or an out-of-memory case is recorded and the r
 
 A deadline (`--deadline-s`, default 480 s after start) skips the cases left, so the table always prints.
 
-    bash eval/gpu_bench.sh            # on the GPU machine: sets up imports, writes under $OUT
-    python -m fc_hf.eval.bench_gpu --out results/gpu --layers 8
+    bash eval/bench/gpu_bench.sh            # on the GPU machine: sets up imports, writes under $OUT
+    python -m fc_hf.eval.bench.gpu --out results/gpu --layers 8
 """
 
 from __future__ import annotations
@@ -56,15 +56,18 @@ def sanity(model, config, dtype, device) -> dict:
     """FlexiCache with every page selected must give dense attention's logits (bf16 tolerance)."""
     import torch
 
-    from .bench_common import attn_impl, cache_kwarg, ingest_random_kv, make_cache, spread_profile
+    from fc_hf.compat import cache_kwarg
+
+    from ..methods import make_cache, prepare_model
+    from .common import ingest_random_kv, spread_profile
 
     profile = spread_profile(config)
     kwarg = cache_kwarg(model)
     logits = {}
     length, steps = 512, 20
     for method in ("dense", "flexicache"):
-        model.set_attn_implementation(attn_impl(method))
-        cache = make_cache(method, config, 1024, profile)
+        prepare_model(model, method)
+        cache = make_cache(method, config, 1024, profile, dense_cache=True)
         with torch.no_grad():
             ingest_random_kv(cache, config, 2, length, dtype=dtype, device=device)
             token = torch.full((2, 1), 7, device=device)
@@ -104,7 +107,7 @@ def _table(results: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m fc_hf.eval.bench_gpu", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m fc_hf.eval.bench.gpu", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=os.environ.get("OUT", "results/gpu"))
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--steps", type=int, default=32)
@@ -115,13 +118,13 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from .bench import _decode_case
-    from .bench_common import build_model, environment, spread_profile, write_json
+    from .common import build_model, environment, spread_profile, write_json
+    from .decode import decode_case
 
     start = time.perf_counter()
     device, dtype = args.device, torch.bfloat16
     if device == "cuda" and not torch.cuda.is_available():
-        print("bench_gpu: no CUDA device; nothing to do", file=sys.stderr)
+        print("bench gpu: no CUDA device; nothing to do", file=sys.stderr)
         return 2
     grid = [(2048, 1, ("dense", "quest", "flexicache"), (1024,)), (4096, 4, ("dense", "flexicache"), (1024,))] \
         if args.quick else DEFAULT_GRID
@@ -149,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
                     continue
                 t0 = time.perf_counter()
                 try:
-                    r = _decode_case(model, config, method, budget or 1024, length, batch, args.steps, profile,
+                    r = decode_case(model, config, method, budget or 1024, length, batch, args.steps, profile,
                                      device=device, dtype=dtype)
                     r.pop("step_ms", None)
                     if method not in ("quest", "flexicache"):

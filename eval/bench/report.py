@@ -9,7 +9,7 @@ import json
 import math
 from pathlib import Path
 
-from .bench_common import SHAPES
+from .common import SHAPES
 
 READ_BANDWIDTH_GBS = 78.0  # SPEC §4: measured read bandwidth of this machine with 2 threads
 

@@ -18,35 +18,40 @@ import math
 import statistics
 from pathlib import Path
 
+import torch
 
-def _ints(text):
-    from .bench import _ints as parse
+from fc_hf.compat import cache_kwarg
+from fc_hf.config import FlexiCacheConfig
+from fc_hf.transfer import PageTransfers
 
-    return parse(text)
+from ..methods import make_cache
+from .common import (bench_profile, build_model, decode_step, environment, ingest_random_kv, log, model_config,
+                     parse_sizes, release_memory, unstable_share, write_json)
+
+__all__ = ["analytic_device_fraction", "memory_case", "suite_memory", "promotion_run", "suite_promotion"]
+
+# Page size and re-rank interval default to the cache's own defaults.
+DEFAULTS = FlexiCacheConfig()
 
 
-def analytic_device_fraction(u: float, budget: int, length: int, page_size: int = 16, rerank: int = 16) -> float:
+def analytic_device_fraction(u: float, budget: int, length: int, page_size: int = DEFAULTS.page_size,
+                             rerank: int = DEFAULTS.rerank_interval) -> float:
     """The analytic device KV share of dense, `u + (1-u) * (B + n*P) / L` (capped at 1)."""
     new_pages = math.ceil(rerank / page_size) + 1
     return u + (1 - u) * min(1.0, (budget + new_pages * page_size) / length)
 
 
-def memory_case(config, profile, budget: int, length: int, batch: int = 1, page_size: int = 16, rerank: int = 16) -> dict:
+def memory_case(config, profile, budget: int, length: int, batch: int = 1, page_size: int = DEFAULTS.page_size,
+                rerank: int = DEFAULTS.rerank_interval) -> dict:
     """Fill a FlexiCache with `length` random tokens, decode `rerank + 1` steps, and read `memory_report()`.
 
     The decode passes the first ranking (step 1, prompt pages dropped) and one stable re-rank
     (step `rerank`), so the numbers are those of steady-state decoding.
     """
-    import torch
-
-    from fc_hf import FlexiCache, FlexiCacheConfig
-
-    from .bench_common import build_model, cache_kwarg, decode_step, ingest_random_kv, release_memory, unstable_share
-
     model = build_model(config)
     model.set_attn_implementation("flexicache")
-    cfg = FlexiCacheConfig(token_budget=budget, page_size=page_size, rerank_interval=rerank)
-    cache = FlexiCache(config, cfg, profile)
+    base = FlexiCacheConfig(page_size=page_size, rerank_interval=rerank)
+    cache = make_cache("flexicache", config, budget, profile, base=base)
     kwarg = cache_kwarg(model)
     with torch.no_grad():
         ingest_random_kv(cache, config, batch, length)
@@ -79,10 +84,8 @@ def memory_case(config, profile, budget: int, length: int, batch: int = 1, page_
 
 def suite_memory(args, out: Path) -> list[dict]:
     """Fig. 9: device-memory saving against context length, with the analytic limit beside it."""
-    from .bench_common import bench_profile, environment, log, model_config, write_json
-
-    lengths = _ints(args.memory_lengths)
-    budgets = _ints(args.budgets)
+    lengths = parse_sizes(args.memory_lengths)
+    budgets = parse_sizes(args.budgets)
     name = "tiny" if args.smoke else "smollm2-tiny"
     config = model_config(name, max_positions=max(lengths) + 256)
     profile, label = bench_profile(config, args.unstable_fraction)
@@ -114,13 +117,6 @@ def promotion_run(model, tokenizer, profile, budget: int, prompt_tokens: int, ne
     `PageTransfers.promote` that adds up the bytes of the pages it is asked to copy), so the check
     "bytes moved == promoted pages x page bytes" compares two separate counts.
     """
-    import torch
-
-    from fc_hf import FlexiCache, FlexiCacheConfig
-    from fc_hf.transfer import PageTransfers
-
-    from .bench_common import cache_kwarg
-
     counted = {"bytes": 0, "calls": 0}
     original = PageTransfers.promote
 
@@ -136,7 +132,7 @@ def promotion_run(model, tokenizer, profile, budget: int, prompt_tokens: int, ne
         from fc_hf.assets import text_tokens
 
         ids = torch.tensor([text_tokens(tokenizer, prompt_tokens, offset=text_offset)])
-    cache = FlexiCache(model.config, FlexiCacheConfig(token_budget=budget), profile)
+    cache = make_cache("flexicache", model, budget, profile)
     PageTransfers.promote = counting
     try:
         with torch.no_grad():
@@ -153,7 +149,7 @@ def promotion_run(model, tokenizer, profile, budget: int, prompt_tokens: int, ne
             if group.kind == "stable" and group.store is not None:
                 page_bytes = group.store.page_bytes
                 stable_rows += group.store.rows
-    k = budget // 16
+    k = budget // cache.cache_config.page_size
     events = len(fractions) // max(1, sum(1 for l in cache.flexi_layers for g in l.groups if g.kind == "stable"))
     result = {
         "budget": budget, "prompt_tokens": int(ids.shape[1]), "new_tokens": int(out.shape[1] - ids.shape[1]),
@@ -177,11 +173,7 @@ def promotion_run(model, tokenizer, profile, budget: int, prompt_tokens: int, ne
 
 def suite_promotion(args, out: Path) -> list[dict]:
     """Table 7 on the real SmolLM2-135M-Instruct: promoted share of the stable top-K per re-rank."""
-    import torch
-
     from fc_hf import register
-
-    from .bench_common import bench_profile, build_model, environment, log, model_config, write_json
 
     register()
     if args.smoke:
@@ -196,7 +188,7 @@ def suite_promotion(args, out: Path) -> list[dict]:
         name, prompt, new = "smollm2-135m-instruct", args.promotion_prompt, args.promotion_new
     profile, label = bench_profile(model.config, args.unstable_fraction)
     rows = []
-    for budget in _ints(args.promotion_budgets):
+    for budget in parse_sizes(args.promotion_budgets):
         r = promotion_run(model, tokenizer, profile, budget, prompt, new)
         r.update(model=name, profile=label)
         rows.append(r)

@@ -1,35 +1,14 @@
-"""`flexicache bench`: decode throughput, memory and re-rank cost of FlexiCache against dense and Quest.
+"""The timed suites of `flexicache bench`: decode, prefill, batch, and re-rank cost read from decode.
 
-Suites (run any subset; `all` runs every one):
-
-- `decode`: tokens/s and time per decode step for dense (`DynamicCache` + sdpa), Quest (FlexiCache
-  with every head unstable, one tier) and FlexiCache (profile, host tier) over a grid of context
-  lengths, batch sizes and token budgets, on random-weight models of SmolLM2-135M's shape and of
-  Llama-3.1-8B's attention/MLP shape with fewer layers. Each case also reports the per-phase
-  breakdown of a step (scoring, selection, gather + attention, promotion, everything else, from
-  `FlexiCache.enable_timing()`), peak RSS, and the bytes per tier from `memory_report()`.
-  The prefill is replaced by writing random K/V into the cache layer by layer (exactly the calls a
-  prefill makes), so 32k-token contexts cost seconds; its time is reported as `ingest_s`.
-- `prefill`: a real prefill (the model over random tokens) with each cache, batch 1.
-- `batch`: decode latency against batch size at one length (the paper's Fig. 7).
-- `rerank`: stability-aware against re-rank-everything cost (Fig. 8), read from the decode suite's
-  breakdown (scoring + selection per step, FlexiCache vs Quest), so it needs `decode` results.
-- `memory`: device KV bytes against context length with the analytic limit (Fig. 9), see
-  `bench_memory.py`.
-- `promotion`: promoted bytes per re-rank on the real SmolLM2 (Table 7), see `bench_memory.py`.
-- `report`: plots (PNG) and `benchmarks.md` from the JSON files in `--out`.
-
-Every group of timed cases runs in its own subprocess (one model build, then the cases in turn), so
-peak RSS and allocator state do not leak between groups. Ratios are only meaningful side by side
-from one run on a quiet machine: the JSON records the load average at the start of each group.
-
-    flexicache bench decode prefill batch memory promotion report --out results/bench
-    flexicache bench decode --smoke --out /tmp/b          # seconds, for testing the suite
+Every group of cases runs in its own subprocess (`worker`: one model build, then the cases in turn),
+so peak RSS and allocator state do not leak between groups. A decode case writes random K/V into
+the cache layer by layer (exactly the calls a prefill makes, `common.ingest_random_kv`) and times
+single decode steps; a prefill case times the model over random tokens. Results accumulate in
+`<out>/<suite>.json`; a case run again replaces its old entry.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -37,53 +16,22 @@ import sys
 import time
 from pathlib import Path
 
-SUITES = ("decode", "prefill", "batch", "rerank", "memory", "promotion", "report")
-METHODS = ("dense", "quest", "flexicache")
+import torch
 
+from fc_hf.compat import cache_kwarg
 
-def _ints(text: str) -> list[int]:
-    out = []
-    for part in text.split(","):
-        part = part.strip().lower()
-        if part:
-            out.append(int(float(part[:-1]) * 1024) if part.endswith("k") else int(part))
-    return out
+from ..methods import make_cache, prepare_model
+from .common import (PeakRSS, bench_profile, build_model, decode_step, environment, ingest_random_kv, log,
+                     model_config, now, parse_sizes, release_memory, unstable_share, write_json)
 
-
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="flexicache bench", description=__doc__.split("\n\n")[0])
-    p.add_argument("suites", nargs="*", default=["decode", "report"], help=f"any of {', '.join(SUITES)}, or all")
-    p.add_argument("--out", default="results/bench", help="folder for the JSON results (default results/bench)")
-    p.add_argument("--docs", default=None, help="folder for benchmarks.md and bench/*.png (default: --out)")
-    p.add_argument("--smoke", action="store_true", help="tiny model and sizes: checks the suite runs (seconds)")
-    p.add_argument("--models", default="smollm2,llama8b", help="decode models (smollm2, llama8b, tiny)")
-    p.add_argument("--lengths", default="4k,8k,16k,32k", help="context lengths of the decode suite")
-    p.add_argument("--batches", default="1,4", help="batch sizes of the decode suite")
-    p.add_argument("--budgets", default="1024,2048", help="token budgets")
-    p.add_argument("--methods", default=",".join(METHODS), help="subset of dense,quest,flexicache")
-    p.add_argument("--steps", type=int, default=16, help="timed decode steps per case (a multiple of the re-rank interval)")
-    p.add_argument("--llama-layers", type=int, default=2, help="decoder layers of the Llama-8B-shaped model")
-    p.add_argument("--unstable-fraction", type=float, default=0.25, help="share of unstable heads of the synthetic profile")
-    p.add_argument("--prefill-lengths", default="4k,8k", help="prefill suite lengths (SmolLM2 shape, batch 1)")
-    p.add_argument("--batch-length", default="8k", help="context length of the batch suite")
-    p.add_argument("--batch-sizes", default="1,2,4,8", help="batch sizes of the batch suite")
-    p.add_argument("--memory-lengths", default="2k,4k,8k,12k,16k,20k,24k,32k", help="memory suite lengths")
-    p.add_argument("--promotion-prompt", type=int, default=6000, help="promotion suite: prompt tokens (real SmolLM2)")
-    p.add_argument("--promotion-new", type=int, default=512, help="promotion suite: generated tokens")
-    p.add_argument("--promotion-budgets", default="1024,2048", help="promotion suite budgets")
-    p.add_argument("--threads", type=int, default=0, help="torch threads in the workers (0: torch's default)")
-    p.add_argument("--timeout", type=int, default=1800, help="seconds allowed per subprocess group")
-    return p
+__all__ = ["decode_case", "prefill_case", "worker", "suite_decode", "suite_batch", "suite_prefill", "suite_rerank"]
 
 
 # -- workers (run in a subprocess) ----------------------------------------------------------------
-def _decode_case(model, config, method, budget, length, batch, steps, profile, device="cpu", dtype=None) -> dict:
-    import torch
-
-    from .bench_common import PeakRSS, attn_impl, cache_kwarg, decode_step, ingest_random_kv, make_cache, now, release_memory
-
+def decode_case(model, config, method, budget, length, batch, steps, profile, device="cpu", dtype=None) -> dict:
+    """Time `steps` decode steps of `method` after a random-K/V prefill of `length` tokens, batch `batch`."""
     dtype = dtype or torch.float32
-    model.set_attn_implementation(attn_impl(method))
+    prepare_model(model, method)
     kwarg = cache_kwarg(model)
     flexi = method in ("quest", "flexicache")
     cuda = torch.device(device).type == "cuda"
@@ -93,7 +41,7 @@ def _decode_case(model, config, method, budget, length, batch, steps, profile, d
         torch.cuda.reset_peak_memory_stats()
         gpu_start = torch.cuda.memory_allocated()
     with PeakRSS() as rss, torch.no_grad():
-        cache = make_cache(method, config, budget, profile)
+        cache = make_cache(method, config, budget, profile, dense_cache=True)
         t0 = now(device)
         ingest_random_kv(cache, config, batch, length, dtype=dtype, device=device)
         result["ingest_s"] = now(device) - t0
@@ -144,17 +92,14 @@ def _decode_case(model, config, method, budget, length, batch, steps, profile, d
     return result
 
 
-def _prefill_case(model, config, method, budget, length, profile, device="cpu") -> dict:
-    import torch
-
-    from .bench_common import PeakRSS, attn_impl, cache_kwarg, decode_step, make_cache, now, release_memory
-
-    model.set_attn_implementation(attn_impl(method))
+def prefill_case(model, config, method, budget, length, profile, device="cpu") -> dict:
+    """Time a real prefill of `length` random tokens with `method`'s cache, then one decode step."""
+    prepare_model(model, method)
     kwarg = cache_kwarg(model)
     ids = torch.randint(1, config.vocab_size, (1, length), generator=torch.Generator().manual_seed(0)).to(device)
     result = {"method": method, "budget": budget if method != "dense" else None, "length": length, "batch": 1}
     with PeakRSS() as rss, torch.no_grad():
-        cache = make_cache(method, config, budget, profile)
+        cache = make_cache(method, config, budget, profile, dense_cache=True)
         t0 = now(device)
         out = model(input_ids=ids, use_cache=True, logits_to_keep=1, **{kwarg: cache})
         result["prefill_s"] = now(device) - t0
@@ -169,12 +114,8 @@ def _prefill_case(model, config, method, budget, length, profile, device="cpu") 
     return result
 
 
-def _worker(spec: dict) -> int:
+def worker(spec: dict) -> int:
     """Run one group of cases on one model and print one JSON line per case."""
-    import torch
-
-    from .bench_common import bench_profile, build_model, environment, log, model_config, unstable_share
-
     if spec.get("threads"):
         torch.set_num_threads(spec["threads"])
     max_len = max(spec["lengths"]) + spec.get("steps", 0) + 64
@@ -186,9 +127,9 @@ def _worker(spec: dict) -> int:
     for case in spec["cases"]:
         t0 = time.perf_counter()
         if spec["kind"] == "prefill":
-            res = _prefill_case(model, config, case["method"], case["budget"], case["length"], profile)
+            res = prefill_case(model, config, case["method"], case["budget"], case["length"], profile)
         else:
-            res = _decode_case(model, config, case["method"], case["budget"], case["length"], case["batch"],
+            res = decode_case(model, config, case["method"], case["budget"], case["length"], case["batch"],
                                spec["steps"], profile)
         res.update(common)
         print(json.dumps(res), flush=True)
@@ -199,7 +140,8 @@ def _worker(spec: dict) -> int:
 
 
 def _run_group(spec: dict, timeout: int) -> list[dict]:
-    """Run `_worker(spec)` in a fresh interpreter; return its case results (whatever finished)."""
+    """Run `worker(spec)` in a fresh interpreter (`python -m fc_hf.eval.bench _worker`); return its case results
+    (whatever finished)."""
     cmd = [sys.executable, "-m", "fc_hf.eval.bench", "_worker", json.dumps(spec)]
     try:
         proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=None, text=True, timeout=timeout)
@@ -227,7 +169,7 @@ def _method_cases(methods, budgets, length, batch):
 
 def _decode_groups(args) -> list[dict]:
     models = [m for m in args.models.split(",") if m]
-    lengths, batches, budgets = _ints(args.lengths), _ints(args.batches), _ints(args.budgets)
+    lengths, batches, budgets = parse_sizes(args.lengths), parse_sizes(args.batches), parse_sizes(args.budgets)
     methods = [m for m in args.methods.split(",") if m]
 
     # The issue-7 targets come first (SmolLM2, 16k/32k/4k), so a run cut short still answers them.
@@ -252,8 +194,6 @@ def _case_key(model: str, case: dict) -> tuple:
 
 
 def _run_suite(name: str, groups: list[dict], args, out: Path) -> list[dict]:
-    from .bench_common import environment, log, write_json
-
     # Results accumulate in `out` across runs (e.g. one model now, another later); a case that is
     # run again replaces its old entry.
     path = out / f"{name}.json"
@@ -275,24 +215,24 @@ def suite_decode(args, out: Path):
 
 
 def suite_batch(args, out: Path):
-    length = _ints(args.batch_length)[0]
-    budgets = _ints(args.budgets)[:1]
+    length = parse_sizes(args.batch_length)[0]
+    budgets = parse_sizes(args.budgets)[:1]
     methods = [m for m in args.methods.split(",") if m]
     model = [m for m in args.models.split(",") if m][0]
     groups = [{"kind": "batch", "model": model, "lengths": [length], "steps": args.steps, "threads": args.threads,
                "unstable_fraction": args.unstable_fraction,
                "layers": args.llama_layers if model == "llama8b" else None,
-               "cases": _method_cases(methods, budgets, length, b)} for b in _ints(args.batch_sizes)]
+               "cases": _method_cases(methods, budgets, length, b)} for b in parse_sizes(args.batch_sizes)]
     return _run_suite("batch", groups, args, out)
 
 
 def suite_prefill(args, out: Path):
     model = [m for m in args.models.split(",") if m][0]
-    budget = _ints(args.budgets)[0]
+    budget = parse_sizes(args.budgets)[0]
     cases = []
-    for length in _ints(args.prefill_lengths):
+    for length in parse_sizes(args.prefill_lengths):
         cases += [{"method": m, "budget": budget, "length": length} for m in ("dense", "flexicache")]
-    groups = [{"kind": "prefill", "model": model, "lengths": _ints(args.prefill_lengths), "threads": args.threads,
+    groups = [{"kind": "prefill", "model": model, "lengths": parse_sizes(args.prefill_lengths), "threads": args.threads,
                "unstable_fraction": args.unstable_fraction, "cases": cases,
                "layers": args.llama_layers if model == "llama8b" else None}]
     return _run_suite("prefill", groups, args, out)
@@ -300,8 +240,6 @@ def suite_prefill(args, out: Path):
 
 def suite_rerank(args, out: Path):
     """Fig. 8 from the decode results: scoring + selection per step, FlexiCache against Quest."""
-    from .bench_common import write_json
-
     path = out / "decode.json"
     if not path.exists():
         print("bench rerank: needs decode results (run the decode suite first)", file=sys.stderr)
@@ -325,50 +263,3 @@ def suite_rerank(args, out: Path):
                      "unstable_share": r.get("unstable_share")})
     write_json(out / "rerank.json", {"suite": "rerank", "source": str(path.name), "results": rows})
     return rows
-
-
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] == "_worker":
-        return _worker(json.loads(argv[1]))
-    parser = _parser()
-    args = parser.parse_args(argv)
-    suites = list(SUITES) if "all" in args.suites else args.suites
-    unknown = [s for s in suites if s not in SUITES]
-    if unknown:
-        print(f"flexicache bench: unknown suite(s) {unknown}; choose from {', '.join(SUITES)} or all", file=sys.stderr)
-        return 2
-    if args.smoke:  # tiny sizes, except where the command line chose a value
-        smoke = dict(models="tiny", lengths="256,512", batches="1,2", budgets="64,128", steps=4, prefill_lengths="128",
-                     batch_length="256", batch_sizes="1,2", memory_lengths="256,512", promotion_budgets="64")
-        for key, value in smoke.items():
-            if getattr(args, key) == parser.get_default(key):
-                setattr(args, key, value)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    for suite in suites:
-        if suite == "decode":
-            suite_decode(args, out)
-        elif suite == "prefill":
-            suite_prefill(args, out)
-        elif suite == "batch":
-            suite_batch(args, out)
-        elif suite == "rerank":
-            suite_rerank(args, out)
-        elif suite == "memory":
-            from .bench_memory import suite_memory
-
-            suite_memory(args, out)
-        elif suite == "promotion":
-            from .bench_memory import suite_promotion
-
-            suite_promotion(args, out)
-        elif suite == "report":
-            from .bench_report import write_report
-
-            write_report(out, Path(args.docs) if args.docs else out)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,15 +1,15 @@
-"""Shared pieces of the benchmark suite: model shapes, head profiles, cache factories, timers, RSS.
+"""Shared pieces of the benchmark suite: model shapes, head profiles, random prefills, timers, RSS, sizes.
 
 Every benchmark builds its models from a config (random weights, seeded), so it needs no download
 and runs at any length. Decode speed does not depend on the weights' values, so a random-weight
-model of a real model's shape times the same as the real one.
+model of a real model's shape times the same as the real one. Caches for a method name come from
+the harness's `methods.make_cache` (the one place that builds them).
 """
 
 from __future__ import annotations
 
 import ctypes
 import gc
-import inspect
 import json
 import os
 import platform
@@ -42,6 +42,17 @@ SHAPES = {
         num_key_value_heads=2, head_dim=16, tie_word_embeddings=True,
     ),
 }
+
+
+def parse_sizes(text: str) -> list[int]:
+    """"4k,8k,512" -> [4096, 8192, 512]: a comma list of sizes, "k" meaning 1024."""
+    out = []
+    for part in text.split(","):
+        part = part.strip().lower()
+        if part:
+            out.append(int(float(part[:-1]) * 1024) if part.endswith("k") else int(part))
+    return out
+
 
 def _shipped_profile() -> Path:
     from fc_hf.profile import PROFILE_DIR  # the checkout's profiles/ or the wheel's fc_hf/profiles
@@ -110,34 +121,6 @@ def unstable_share(profile, config) -> float:
 
     layers, kv_heads, _ = attention_shape(config)
     return 1.0 if profile is None else len(profile.unstable) / (layers * kv_heads)
-
-
-def make_cache(method: str, config, budget: int, profile, **overrides):
-    """A fresh cache for `method`: "dense" (DynamicCache), "quest" (FlexiCache, every head unstable,
-    one tier), "flexicache" (FlexiCache with `profile`, host tier on)."""
-    from transformers import DynamicCache
-
-    from fc_hf import FlexiCache, FlexiCacheConfig
-
-    if method == "dense":
-        return DynamicCache(config=config)
-    if method == "offload":  # transformers' own whole-layer CPU offloading (CUDA only)
-        return DynamicCache(config=config, offloading=True)
-    if method == "quest":
-        return FlexiCache(config, FlexiCacheConfig(token_budget=budget, offload=False, **overrides), None)
-    if method == "flexicache":
-        return FlexiCache(config, FlexiCacheConfig(token_budget=budget, **overrides), profile)
-    raise ValueError(f"unknown method {method!r}")
-
-
-def attn_impl(method: str) -> str:
-    return "sdpa" if method in ("dense", "offload") else "flexicache"
-
-
-def cache_kwarg(model) -> str:
-    """The name `model.forward` takes the cache under ("cache" from transformers 5.24, else "past_key_values")."""
-    params = inspect.signature(model.forward).parameters
-    return "cache" if "cache" in params else "past_key_values"
 
 
 def ingest_random_kv(cache, config, batch: int, length: int, dtype=torch.float32, device="cpu", seed: int = 1):

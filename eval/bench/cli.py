@@ -1,0 +1,107 @@
+"""`flexicache bench`: decode throughput, memory and re-rank cost of FlexiCache against dense and Quest.
+
+Suites (run any subset; `all` runs every one):
+
+- `decode`: tokens/s and time per decode step for dense (`DynamicCache` + sdpa), Quest (FlexiCache
+  with every head unstable, one tier) and FlexiCache (profile, host tier) over a grid of context
+  lengths, batch sizes and token budgets, on random-weight models of SmolLM2-135M's shape and of
+  Llama-3.1-8B's attention/MLP shape with fewer layers. Each case also reports the per-phase
+  breakdown of a step (scoring, selection, gather + attention, promotion, everything else, from
+  `FlexiCache.enable_timing()`), peak RSS, and the bytes per tier from `memory_report()`.
+  The prefill is replaced by writing random K/V into the cache layer by layer (exactly the calls a
+  prefill makes), so 32k-token contexts cost seconds; its time is reported as `ingest_s`.
+- `prefill`: a real prefill (the model over random tokens) with each cache, batch 1.
+- `batch`: decode latency against batch size at one length (the paper's Fig. 7).
+- `rerank`: stability-aware against re-rank-everything cost (Fig. 8), read from the decode suite's
+  breakdown (scoring + selection per step, FlexiCache vs Quest), so it needs `decode` results.
+- `memory`: device KV bytes against context length with the analytic limit (Fig. 9), see
+  `memory.py`.
+- `promotion`: promoted bytes per re-rank on the real SmolLM2 (Table 7), see `memory.py`.
+- `report`: plots (PNG) and `benchmarks.md` from the JSON files in `--out`.
+
+Every group of timed cases runs in its own subprocess (one model build, then the cases in turn), so
+peak RSS and allocator state do not leak between groups. Ratios are only meaningful side by side
+from one run on a quiet machine: the JSON records the load average at the start of each group.
+
+    flexicache bench decode prefill batch memory promotion report --out results/bench
+    flexicache bench decode --smoke --out /tmp/b          # seconds, for testing the suite
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from . import decode, memory, report
+
+__all__ = ["main", "SUITES"]
+
+SUITES = ("decode", "prefill", "batch", "rerank", "memory", "promotion", "report")
+METHODS = ("dense", "quest", "flexicache")
+SUITE_RUNNERS = {
+    "decode": decode.suite_decode,
+    "prefill": decode.suite_prefill,
+    "batch": decode.suite_batch,
+    "rerank": decode.suite_rerank,
+    "memory": memory.suite_memory,
+    "promotion": memory.suite_promotion,
+}
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="flexicache bench", description=__doc__.split("\n\n")[0])
+    p.add_argument("suites", nargs="*", default=["decode", "report"], help=f"any of {', '.join(SUITES)}, or all")
+    p.add_argument("--out", default="results/bench", help="folder for the JSON results (default results/bench)")
+    p.add_argument("--docs", default=None, help="folder for benchmarks.md and bench/*.png (default: --out)")
+    p.add_argument("--smoke", action="store_true", help="tiny model and sizes: checks the suite runs (seconds)")
+    p.add_argument("--models", default="smollm2,llama8b", help="decode models (smollm2, llama8b, tiny)")
+    p.add_argument("--lengths", default="4k,8k,16k,32k", help="context lengths of the decode suite")
+    p.add_argument("--batches", default="1,4", help="batch sizes of the decode suite")
+    p.add_argument("--budgets", default="1024,2048", help="token budgets")
+    p.add_argument("--methods", default=",".join(METHODS), help="subset of dense,quest,flexicache")
+    p.add_argument("--steps", type=int, default=16, help="timed decode steps per case (a multiple of the re-rank interval)")
+    p.add_argument("--llama-layers", type=int, default=2, help="decoder layers of the Llama-8B-shaped model")
+    p.add_argument("--unstable-fraction", type=float, default=0.25, help="share of unstable heads of the synthetic profile")
+    p.add_argument("--prefill-lengths", default="4k,8k", help="prefill suite lengths (SmolLM2 shape, batch 1)")
+    p.add_argument("--batch-length", default="8k", help="context length of the batch suite")
+    p.add_argument("--batch-sizes", default="1,2,4,8", help="batch sizes of the batch suite")
+    p.add_argument("--memory-lengths", default="2k,4k,8k,12k,16k,20k,24k,32k", help="memory suite lengths")
+    p.add_argument("--promotion-prompt", type=int, default=6000, help="promotion suite: prompt tokens (real SmolLM2)")
+    p.add_argument("--promotion-new", type=int, default=512, help="promotion suite: generated tokens")
+    p.add_argument("--promotion-budgets", default="1024,2048", help="promotion suite budgets")
+    p.add_argument("--threads", type=int, default=0, help="torch threads in the workers (0: torch's default)")
+    p.add_argument("--timeout", type=int, default=1800, help="seconds allowed per subprocess group")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "_worker":
+        return decode.worker(json.loads(argv[1]))
+    parser = _parser()
+    args = parser.parse_args(argv)
+    suites = list(SUITES) if "all" in args.suites else args.suites
+    unknown = [s for s in suites if s not in SUITES]
+    if unknown:
+        print(f"flexicache bench: unknown suite(s) {unknown}; choose from {', '.join(SUITES)} or all", file=sys.stderr)
+        return 2
+    if args.smoke:  # tiny sizes, except where the command line chose a value
+        smoke = dict(models="tiny", lengths="256,512", batches="1,2", budgets="64,128", steps=4, prefill_lengths="128",
+                     batch_length="256", batch_sizes="1,2", memory_lengths="256,512", promotion_budgets="64")
+        for key, value in smoke.items():
+            if getattr(args, key) == parser.get_default(key):
+                setattr(args, key, value)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    for suite in suites:
+        if suite == "report":
+            report.write_report(out, Path(args.docs) if args.docs else out)
+        else:
+            SUITE_RUNNERS[suite](args, out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
