@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 PROMOTION_MODES = ("sync", "deferred")
-PAGE_SCORES = ("quest", "group_mean")  # see fc_hf/selection.py
+PAGE_SCORES = ("quest", "group_mean", "exact")  # see fc_hf/selection.py
 
 
 @dataclass
@@ -42,6 +42,10 @@ class FlexiCacheConfig:
             `page_size / S`-token sub-page and scores a page by its best sub-page (S times the metadata).
         recent_pages (`int`, *optional*, defaults to 0): pages before the page being filled that every
             ranked head always selects (inside the budget).
+        stable_page_score (`str`, *optional*): page score of stable heads at their re-rank (None: `page_score`);
+            "exact" re-scores with the true attention mass over all their keys every R steps.
+        tail_estimate (`bool`, *optional*, defaults to False): keep each unselected full page in the softmax as
+            one term from its mean key and mean value (per-page means kept beside MinMax).
         backend (`str`, *optional*): "torch" or "triton" forces a kernel backend; None picks by device.
     """
 
@@ -60,6 +64,8 @@ class FlexiCacheConfig:
     page_score: str = "quest"
     score_subpages: int = 1
     recent_pages: int = 0
+    stable_page_score: str | None = None
+    tail_estimate: bool = False
     backend: str | None = None
 
     def __post_init__(self):
@@ -101,6 +107,12 @@ class FlexiCacheConfig:
             )
         if self.page_score not in PAGE_SCORES:
             raise ValueError(f"FlexiCacheConfig.page_score must be one of {PAGE_SCORES}, got {self.page_score!r}.")
+        if self.stable_page_score is not None and self.stable_page_score not in PAGE_SCORES:
+            raise ValueError(
+                f"FlexiCacheConfig.stable_page_score must be None or one of {PAGE_SCORES}, got {self.stable_page_score!r}."
+            )
+        if not isinstance(self.tail_estimate, bool):
+            raise ValueError(f"FlexiCacheConfig.tail_estimate must be True or False, got {self.tail_estimate!r}.")
         positive_int("score_subpages", self.score_subpages)
         if self.page_size % self.score_subpages:
             raise ValueError(

@@ -23,7 +23,7 @@ import torch
 
 from . import kernels
 from .paged_store import PagedKV
-from .selection import PageSelector
+from .selection import PageSelector, tail_terms
 from .tiers import compaction_headroom, move_tiers
 
 UNSTABLE, STABLE, STREAMING = "unstable", "stable", "streaming"
@@ -34,7 +34,7 @@ class HeadGroup:
         self.kind = kind
         self.heads = heads
         self.cfg = cfg
-        self.selector = PageSelector(cfg)
+        self.selector = PageSelector(cfg, cfg.stable_page_score if kind == STABLE else None)
         self.workspace = workspace  # the cache's gather buffers (kernels.GatherWorkspace), or None
         if kind == UNSTABLE:
             self.interval = cfg.unstable_rerank_interval
@@ -57,7 +57,7 @@ class HeadGroup:
         self.head_index = torch.tensor(self.heads, device=device)
         self.store = PagedKV(
             batch, len(self.heads), self.cfg.page_size, head_dim, value_dim, dtype, device, tiered=self.tiered,
-            subpages=self.cfg.score_subpages,
+            subpages=self.cfg.score_subpages, page_means=self.cfg.tail_estimate,
         )
 
     @contextmanager
@@ -152,9 +152,13 @@ class HeadGroup:
             slots = store.slots_for(pages)
             if check:
                 store.check_resident(slots)
+            tail = None
+            if store.page_means is not None and store.full_pages:
+                tail = tail_terms(query, store.page_means, pages, store.full_pages, store.page_size, scaling,
+                                  page_valid, softcap)
             out = kernels.sparse_decode_attention(
                 query, store.k_pool, store.v_pool, slots, pages, store.length, scaling,
-                token_valid, len(self.heads), softcap, backend=self.cfg.backend, workspace=self.workspace,
+                token_valid, len(self.heads), softcap, backend=self.cfg.backend, workspace=self.workspace, tail=tail,
             )
         if self.pending is not None:
             # Deferred promotion: start the copies now, so they overlap the rest of the step.

@@ -52,6 +52,7 @@ class PagedKV:
         tiered: bool,
         grow_pages: int = 16,
         subpages: int = 1,
+        page_means: bool = False,
     ):
         self.batch, self.heads, self.page_size = batch, heads, page_size
         self.head_dim, self.value_dim = head_dim, value_dim
@@ -68,6 +69,8 @@ class PagedKV:
         self.n_free = 0
         self.table = torch.zeros(self.rows, 0, dtype=torch.long, device=device)
         self.meta_t = torch.zeros(self.rows, 2 * head_dim, 0, dtype=dtype, device=device)
+        # Mean key and mean value of every full page (`[N, Pcap, D + Dv]`), for the tail estimate.
+        self.page_means = torch.zeros(self.rows, 0, head_dim + value_dim, dtype=dtype, device=device) if page_means else None
         self.host_k = self.host_v = None
         self.host_pages = 0  # full pages written to the host tier
         self.counters = {"pages_offloaded": 0, "bytes_offloaded": 0, "pages_promoted": 0, "bytes_promoted": 0}
@@ -98,7 +101,10 @@ class PagedKV:
         return self.host_k.numel() * self.host_k.element_size() + self.host_v.numel() * self.host_v.element_size()
 
     def metadata_bytes(self) -> int:
-        return self.meta_t.numel() * self.meta_t.element_size() + self.table.numel() * self.table.element_size()
+        nbytes = self.meta_t.numel() * self.meta_t.element_size() + self.table.numel() * self.table.element_size()
+        if self.page_means is not None:
+            nbytes += self.page_means.numel() * self.page_means.element_size()
+        return nbytes
 
     @property
     def meta(self) -> torch.Tensor:
@@ -131,6 +137,7 @@ class PagedKV:
         self.n_free += count
 
     def _grow_pool(self, extra: int) -> None:
+        self.transfers.wait_promotions()  # a pending promotion writes into the pool being copied
         old = self.k_pool.shape[0]
         self.k_pool = _grow_dim(self.k_pool, 0, old + extra)
         self.v_pool = _grow_dim(self.v_pool, 0, old + extra)
@@ -153,6 +160,7 @@ class PagedKV:
         Each non-zero entry gets its own new slot, so a table whose rows share slots (duplicated
         beams) comes out with private copies.
         """
+        self.transfers.wait_promotions()  # a pending promotion writes into the pool being copied
         resident = table != 0
         count = int(resident.sum())
         old_slots = table[resident]
@@ -191,9 +199,11 @@ class PagedKV:
         s = self.subpages
         sub = keys.view(keys.shape[0], (end - first) * s, self.page_size // s, self.head_dim)
         self.meta_t[:, :, first * s : end * s] = torch.cat([sub.amax(dim=2), sub.amin(dim=2)], dim=-1).transpose(1, 2)
+        values = self.v_pool[slots] if (self.tiered or self.page_means is not None) else None
+        if self.page_means is not None:
+            self.page_means[:, first:end] = torch.cat([keys.mean(dim=2), values.mean(dim=2)], dim=-1)
         if self.tiered:
             self._ensure_host_capacity(end)
-            values = self.v_pool[slots]
             self.transfers.offload(self.host_k[first:end], keys.transpose(0, 1))
             self.transfers.offload(self.host_v[first:end], values.transpose(0, 1))
             self.host_pages = end
@@ -207,6 +217,8 @@ class PagedKV:
             new_cap = pages + self.grow_pages
             self.table = _grow_dim(self.table, 1, new_cap)
             self.meta_t = _grow_dim(self.meta_t, 2, new_cap * self.subpages)
+            if self.page_means is not None:
+                self.page_means = _grow_dim(self.page_means, 1, new_cap)
 
     def _ensure_host_capacity(self, pages: int) -> None:
         cap = 0 if self.host_k is None else self.host_k.shape[0]
@@ -285,6 +297,8 @@ class PagedKV:
         row_map = self.row_map(batch_index)
         self._repack(self.table[row_map], self.grow_pages * row_map.numel())
         self.meta_t = self.meta_t[row_map]
+        if self.page_means is not None:
+            self.page_means = self.page_means[row_map]
         if self.host_k is not None:
             self.transfers.sync_host()
             cpu_map = row_map.cpu()

@@ -13,6 +13,12 @@ Policies (`FlexiCacheConfig` options):
 - `score_subpages=S`: MinMax metadata kept for `page_size / S`-token sub-pages; a page's bound is the
   max of its sub-pages' bounds (tighter; selection is still of whole pages; S times the metadata).
 - `recent_pages=R`: the R pages before the page being filled are always selected (inside the budget).
+- `page_score="exact"`: the true attention mass of every page (softmax over every key, mean over the
+  group) — reads every key of the head, so it is the oracle the others approach, not a cheap policy;
+  `stable_page_score="exact"` uses it for stable heads only, at their re-rank every R steps.
+- `tail_estimate=True`: the unselected full pages are not dropped from the softmax but stand in as one
+  term each, `P * exp(scaling * q.mean_key)` with the page's mean value (RetroInfer-like); needs the
+  per-page mean key and value beside MinMax (`D + Dv` more metadata values per page).
 """
 
 from __future__ import annotations
@@ -47,6 +53,53 @@ def combine_group(bounds: torch.Tensor, how: str, scaling: float, page_valid: to
     raise ValueError(f"unknown page_score {how!r}; expected one of {PAGE_SCORES}")
 
 
+def exact_page_mass(query: torch.Tensor, keys: torch.Tensor, length: int, page_size: int, scaling: float,
+                    token_valid_rows: torch.Tensor | None = None) -> torch.Tensor:
+    """True attention mass of every page, mean over the group: `[N, G, D]`, `[N, Np*P, D]` -> `[N, Np]` fp32.
+
+    `token_valid_rows [N, L]` (optional) masks padding; positions >= `length` are masked.
+    """
+    n, g, _ = query.shape
+    logits = torch.matmul(query.float(), keys.float().transpose(1, 2)) * scaling  # [N, G, Np*P]
+    ok = torch.arange(keys.shape[1], device=keys.device) < length
+    ok = ok[None].expand(n, -1)
+    if token_valid_rows is not None:
+        ok = ok.clone()
+        ok[:, :length] &= token_valid_rows[:, :length]
+    probs = torch.softmax(logits.masked_fill(~ok[:, None], NEG_INF), dim=-1).nan_to_num(0.0)
+    return probs.view(n, g, -1, page_size).sum(-1).mean(1)
+
+
+def tail_terms(query: torch.Tensor, page_means: torch.Tensor, read: torch.Tensor, full_pages: int, page_size: int,
+               scaling: float, page_valid: torch.Tensor | None = None, softcap: float | None = None):
+    """Softmax terms standing for the full pages a step does not read (`tail_estimate`).
+
+    Each unread full page becomes one term: logit `scaling * q.mean_key (+ log P for its P tokens)`
+    with value `mean_value`. Read pages, the page being filled and all-padding pages get -inf.
+
+    Args:
+        query (`torch.Tensor` of shape `[N, G, D]`): decode queries.
+        page_means (`torch.Tensor` of shape `[N, >= full_pages, D + Dv]`): mean key then mean value per page.
+        read (`torch.Tensor` of shape `[N, M]`): the logical pages the step reads exactly.
+        full_pages (`int`): pages that are full (only those have means).
+
+    Returns:
+        `(logits [N, G, full_pages] fp32, values [N, full_pages, Dv])`.
+    """
+    d = query.shape[-1]
+    means = page_means[:, :full_pages]
+    logits = torch.matmul(query.float(), means[..., :d].float().transpose(1, 2)) * scaling
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
+    logits = logits + torch.log(torch.tensor(float(page_size)))
+    skip = torch.zeros(query.shape[0], full_pages + 1, dtype=torch.bool, device=query.device)
+    skip.scatter_(1, read.clamp(max=full_pages), True)  # the page being filled maps to the spare column
+    skip = skip[:, :full_pages]
+    if page_valid is not None:
+        skip |= ~page_valid[:, :full_pages]
+    return logits.masked_fill(skip[:, None], NEG_INF), means[..., d:]
+
+
 def force_recent_pages(scores: torch.Tensor, recent: int) -> torch.Tensor:
     """Force the `recent` pages before the last one (+inf), in place; the last page is forced elsewhere."""
     num_pages = scores.shape[-1]
@@ -64,11 +117,11 @@ class PageSelector:
             `recent_pages`, kernel backend.
     """
 
-    def __init__(self, cfg):
+    def __init__(self, cfg, page_score: str | None = None):
         self.cfg = cfg
         self.k = cfg.pages_per_head
         self.subpages = cfg.score_subpages
-        self.how = cfg.page_score
+        self.how = page_score or cfg.page_score
         self.recent = cfg.recent_pages
 
     def page_scores(
@@ -90,7 +143,15 @@ class PageSelector:
     ) -> torch.Tensor:
         """Page scores `[N, Np]` (fp32) with the forced pages at +inf and all-padding pages at -inf."""
         num_pages = store.num_pages
-        scores = self.page_scores(query, store.meta, num_pages, page_valid, scaling)
+        if self.how == "exact":
+            keys = store.dense()[0].reshape(store.rows, store.length, -1)
+            pad = num_pages * store.page_size - store.length
+            keys = torch.nn.functional.pad(keys, (0, 0, 0, pad))
+            scores = exact_page_mass(query, keys, store.length, store.page_size, scaling)
+            if page_valid is not None:
+                scores = scores.masked_fill(~page_valid, NEG_INF)
+        else:
+            scores = self.page_scores(query, store.meta, num_pages, page_valid, scaling)
         force_recent_pages(scores, self.recent)
         scores[:, num_pages - 1] = POS_INF  # the page being filled
         return kernels.force_sink_pages(scores, self.cfg.sink_pages, page_valid)

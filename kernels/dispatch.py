@@ -49,17 +49,21 @@ def select_topk(scores, k, backend=None):
 
 def sparse_decode_attention(
     query, k_pool, v_pool, slots, page_idx, seq_len, scaling, token_valid=None, rows_per_batch=1, softcap=None,
-    backend=None, workspace=None,
+    backend=None, workspace=None, tail=None,
 ):
-    """Sparse paged decode attention; `workspace` (a `GatherWorkspace`) is used by the PyTorch backend only."""
-    if backend_for(query, backend) == "triton":
+    """Sparse paged decode attention; `workspace` (a `GatherWorkspace`) is used by the PyTorch backend only.
+
+    `tail` (estimates of unselected pages, `fc_hf.selection.tail_terms`) runs on the PyTorch backend
+    on every device: the Triton kernel has no extra softmax terms.
+    """
+    if tail is None and backend_for(query, backend) == "triton":
         from .decode import sparse_decode_attention_triton
 
         return sparse_decode_attention_triton(
             query, k_pool, v_pool, slots, page_idx, seq_len, scaling, token_valid, rows_per_batch, softcap
         )
     return torch_backend.sparse_decode_attention(
-        query, k_pool, v_pool, slots, page_idx, seq_len, scaling, token_valid, rows_per_batch, softcap, workspace
+        query, k_pool, v_pool, slots, page_idx, seq_len, scaling, token_valid, rows_per_batch, softcap, workspace, tail
     )
 
 

@@ -167,6 +167,7 @@ def sparse_decode_attention(
     rows_per_batch: int = 1,
     softcap: float | None = None,
     workspace: GatherWorkspace | None = None,
+    tail: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Decode attention of each row's query heads over the tokens of its selected pages.
 
@@ -184,6 +185,8 @@ def sparse_decode_attention(
         rows_per_batch (`int`): rows per sequence, to map a row to its padding-mask row.
         softcap (`float`, *optional*): logit soft-capping (Gemma-2 style), `tanh(s / c) * c`.
         workspace (`GatherWorkspace`, *optional*): reused gather buffers; None allocates fresh ones.
+        tail (`tuple`, *optional*): `(logits [N, G, T], values [N, T, Dv])`: extra softmax terms (already
+            scaled, -inf to skip) standing for unselected pages (`fc_hf.selection.tail_terms`).
 
     Returns:
         `torch.Tensor` of shape `[N, G, D]` in the query's dtype.
@@ -202,6 +205,9 @@ def sparse_decode_attention(
         logits = torch.tanh(logits / softcap) * softcap
     ok = token_mask(page_idx, page_size, seq_len, token_valid, rows_per_batch)
     logits = logits.masked_fill(~ok[:, None, :], NEG_INF)
+    if tail is not None:
+        logits = torch.cat([logits, tail[0].float()], dim=-1)
+        values = torch.cat([values, tail[1].to(values.dtype)], dim=1)
     probs = torch.softmax(logits, dim=-1)
     # A row with no attendable token (a fully padded sequence) gets zeros, not NaN.
     probs = torch.nan_to_num(probs, nan=0.0)
