@@ -1,4 +1,20 @@
-"""FlexiCache evaluation and benchmarks (installed as `fc_hf.eval`). See `README.md` in this folder.
+"""FlexiCache's accuracy harness (installed as `fc_hf.eval`; `flexicache eval`). See `README.md` in this folder.
 
-A generation one-liner with a fresh cache per call is the core's `fc_hf.flexicache_pipeline`.
+| module | owns |
+|---|---|
+| `cli.py` | `flexicache eval`: one table row (`SUBCOMMANDS`) per subcommand |
+| `methods.py` | the compared methods: a cache and attention implementation per method name, method@budget runs, cache options; the one module the benchmarks (`bench/`) share |
+| `results.py` | one resumable results folder per configuration |
+| `profile_choice.py` | the head profile a task runs with, made without that task's material |
+| `loading.py` | the model a run uses (bundled name or folder, dtype) |
+| `shared_prefill.py` | one dense prefill per sample, handed to every method's cache |
+| `fidelity.py` | teacher-forced fidelity against dense: tasks, comparison, run loop |
+| `ruler.py` | RULER through lm-eval's tasks: shared-prefill loop and lm-eval's own loop |
+| `generation.py` | LongBench / L-Eval run loop: greedy answers, scored per sample |
+| `longbench.py`, `leval.py`, `sources.py`, `metrics.py` | those benchmarks' data, prompts and metrics |
+| `lm_eval_model.py` | the `flexicache` model type for lm-eval |
+| `summary.py` | retention / fidelity tables and plots of a results tree |
+
+The speed and memory benchmarks are the subpackage `bench/` (`flexicache bench`); the harness never
+imports it. A generation one-liner with a fresh cache per call is the core's `fc_hf.flexicache_pipeline`.
 """

@@ -3,7 +3,11 @@
     from fc_hf import FlexiCache, FlexiCacheConfig, HeadProfile, register
     register()
     model = AutoModelForCausalLM.from_pretrained(name, attn_implementation="flexicache")
-    out = model.generate(**inputs, past_key_values=FlexiCache(model.config, FlexiCacheConfig()), max_new_tokens=64)
+    out = model.generate(**inputs, cache=FlexiCache(model.config, FlexiCacheConfig()), max_new_tokens=64)
+    # (past_key_values=... before transformers 5.24; `fc_hf.compat.cache_kwargs` picks the name)
+
+The core (the modules here, and `fc_hf.kernels`) imports nothing from `fc_hf.assets` (bundled
+models and text), `fc_hf.profiler`, `fc_hf.eval`, `demo` or `cli`.
 """
 
 from importlib import import_module
