@@ -1,4 +1,4 @@
-"""`flexicache eval {fidelity,ruler,longbench,leval,summary}`: accuracy retention against dense.
+"""`flexicache eval {fidelity,ruler,longbench,leval,selection,summary}`: accuracy retention against dense.
 
 Examples:
 
@@ -6,6 +6,7 @@ Examples:
     flexicache eval ruler --model smollm2-135m-instruct --tasks niah_single_1,ruler_vt --limit 4
     flexicache eval longbench --model smollm2-135m-instruct --data ./LongBench/data --limit 20
     flexicache eval leval --model smollm2-135m-instruct --data ./LEval-data/Generation
+    flexicache eval selection --model smollm2-135m-instruct --sources kjv:0,niah:0
     flexicache eval summary --out results
 """
 
@@ -97,6 +98,20 @@ def _leval_options(le):
     le.add_argument("--max-new-tokens", type=int, default=256)
 
 
+def _selection_options(s):
+    s.add_argument("--model", default="smollm2-135m-instruct", help="bundled model name or a local model folder")
+    s.add_argument("--sources", type=_csv(), default=["kjv:0", "kjv:400000", "niah:0"],
+                   help="texts: kjv:OFFSET, niah:SAMPLE, leval:TASK:RECORD:QUESTION (comma list)")
+    s.add_argument("--leval-data", default="../shared/data/leval", help="L-Eval data folder (for leval: sources)")
+    s.add_argument("--prompt-tokens", type=int, default=4096)
+    s.add_argument("--positions", type=int, default=64, help="probed query positions at the end of each text")
+    s.add_argument("--budget", type=int, default=1024)
+    s.add_argument("--page-size", type=int, default=16)
+    s.add_argument("--sink-pages", type=int, default=1)
+    s.add_argument("--dtype", default="float32", choices=list(DTYPES))
+    s.add_argument("--out", default=None, help="write the Markdown tables here too")
+
+
 def _summary_options(s):
     s.add_argument("--out", default="results")
     s.add_argument("--no-plots", action="store_true")
@@ -156,6 +171,14 @@ def _summary(args) -> int:
     return 0
 
 
+def _selection(args) -> int:
+    from .selection_probe import run_probe
+
+    print(run_probe(args.model, args.sources, args.prompt_tokens, args.positions, args.budget, args.page_size,
+                    args.sink_pages, leval_root=args.leval_data, dtype=args.dtype, out=args.out))
+    return 0
+
+
 SUBCOMMANDS: dict[str, Subcommand] = {
     "fidelity": Subcommand("teacher-forced agreement with dense on real text (continue / recall)", _fidelity_options,
                            partial(_evaluate, _fidelity)),
@@ -164,6 +187,8 @@ SUBCOMMANDS: dict[str, Subcommand] = {
                             partial(_evaluate, _longbench)),
     "leval": Subcommand("L-Eval open-ended tasks (hub L4NLP/LEval or --data folder)", _leval_options,
                         partial(_evaluate, _leval)),
+    "selection": Subcommand("selection-quality probe: attention mass each page policy captures, vs the oracle",
+                            _selection_options, _selection),
     "summary": Subcommand("Markdown retention / fidelity tables and plots of a results folder", _summary_options, _summary),
 }
 

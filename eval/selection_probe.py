@@ -291,3 +291,53 @@ def kjv_text(tokenizer, offset: int, prompt_tokens: int, positions: int) -> list
     from fc_hf.assets.text import text_tokens
 
     return list(text_tokens(tokenizer, prompt_tokens + positions, offset))
+
+
+# -- command line -----------------------------------------------------------------------------------
+def text_for(source: str, tokenizer, prompt_tokens: int, positions: int, leval_root) -> list[int]:
+    """Token ids for one source spec: `kjv:OFFSET`, `niah:SAMPLE` or `leval:TASK:RECORD:QUESTION`."""
+    from pathlib import Path
+
+    kind, *rest = source.split(":")
+    if kind == "kjv":
+        return kjv_text(tokenizer, int(rest[0]) if rest else 0, prompt_tokens, positions)
+    if kind == "niah":
+        return niah_text(tokenizer, int(rest[0]) if rest else 0, prompt_tokens)
+    if kind == "leval":
+        task, record, question = rest[0], int(rest[1]), int(rest[2])
+        root = Path(leval_root)
+        path = next((p for p in (root / "open-ended" / f"{task}.jsonl", root / "closed-ended" / f"{task}.jsonl",
+                                 root / f"{task}.jsonl") if p.is_file()), None)
+        if path is None:
+            raise FileNotFoundError(f"no {task}.jsonl under {root} (give --leval-data, the L-Eval data folder)")
+        return leval_text(tokenizer, path, record, question, prompt_tokens, positions)
+    raise ValueError(f"unknown probe source {source!r}: use kjv:OFFSET, niah:SAMPLE or leval:TASK:RECORD:QUESTION")
+
+
+def run_probe(model_name: str, sources, prompt_tokens: int = 4096, positions: int = 64, budget: int = 1024,
+              page_size: int = 16, sink_pages: int = 1, policies=DEFAULT_POLICIES, leval_root=None, dtype="float32",
+              out=None, log=print) -> str:
+    """Probe every policy on every source text; returns (and writes to `out`) the Markdown tables."""
+    import time
+    from pathlib import Path
+
+    from .loading import load_model
+
+    model, tok, _ = load_model(model_name, dtype)
+    totals = ProbeTotals(model.config.num_hidden_layers, tuple(policies))
+    for source in sources:
+        t0 = time.time()
+        ids = text_for(source, tok, prompt_tokens, positions, leval_root)
+        probe_text(model, ids, positions, page_size, budget, sink_pages, policies, totals)
+        log(f"{source}: {len(ids)} tokens, {time.time() - t0:.0f} s")
+    head_dim = getattr(model.config, "head_dim", None) or model.config.hidden_size // model.config.num_attention_heads
+    itemsize = next(model.parameters()).element_size()
+    header = (f"Selection probe — {model_name}, {len(sources)} texts of ~{prompt_tokens} tokens, last {positions} positions, "
+              f"budget {budget}, page {page_size}, sink {sink_pages}; sources: {', '.join(sources)}\n\n")
+    text = header + format_table(totals, policies, prompt_tokens, page_size, budget, head_dim, itemsize)
+    worst = sorted((w for w in totals.worst if w[1] == policies[0].name))[:5]
+    text += "\n\nWorst layers for " + policies[0].name + ": " + ", ".join(f"layer {l} ({m:.3f})" for m, _, l in worst)
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(text + "\n")
+    return text
