@@ -143,6 +143,8 @@ def probe_layer(
     meta_cache = {}
     out = {}
     for pol in policies:
+        if sink_pages + pol.recent_pages >= k_pages:  # as FlexiCacheConfig refuses it
+            raise ValueError(f"policy {pol.name!r}: sink_pages + recent_pages must be < {k_pages} pages of the budget")
         base_forced = forced.clone()
         if pol.recent_pages:
             base_forced |= (page_ids[None, :] >= (last[:, None] - pol.recent_pages)) & exists

@@ -56,7 +56,7 @@ def test_probe_text_runs_on_a_tiny_model():
     model = tiny_model("llama")
     totals = ProbeTotals(model.config.num_hidden_layers, DEFAULT_POLICIES)
     ids = torch.randint(1, 90, (300,), generator=torch.Generator().manual_seed(0)).tolist()
-    probe_text(model, ids, 8, 16, 64, 1, DEFAULT_POLICIES, totals)
+    probe_text(model, ids, 8, 16, 128, 1, DEFAULT_POLICIES, totals)
     assert model.config._attn_implementation == "flexicache"  # restored
     assert sorted({key[1] for key in totals.sums}) == list(range(model.config.num_hidden_layers))
     for pol in DEFAULT_POLICIES:
