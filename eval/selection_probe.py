@@ -40,9 +40,11 @@ class Policy:
     subpages: int = 1
     recent_pages: int = 0
     tail: bool = False  # add mean-key/mean-value estimates of unselected pages to the softmax
+    refine: int = 0  # candidate pages re-scored exactly (FlexiCacheConfig.refine_pages)
 
     def config_options(self) -> dict:
-        return {"page_score": self.page_score, "score_subpages": self.subpages, "recent_pages": self.recent_pages}
+        return {"page_score": self.page_score, "score_subpages": self.subpages, "recent_pages": self.recent_pages,
+                "tail_estimate": self.tail, "refine_pages": self.refine}
 
 
 DEFAULT_POLICIES = (
@@ -53,6 +55,8 @@ DEFAULT_POLICIES = (
     Policy("group_mean sub2", page_score="group_mean", subpages=2),
     Policy("group_mean sub4", page_score="group_mean", subpages=4),
     Policy("quest recent4", recent_pages=4),
+    Policy("quest refine 2K", refine=128),
+    Policy("quest refine 4K", refine=256),
     Policy("quest +tail", tail=True),
     Policy("group_mean sub2 +tail", page_score="group_mean", subpages=2, tail=True),
     Policy("oracle", page_score="oracle"),
@@ -167,6 +171,13 @@ def probe_layer(
         scores = scores.masked_fill(~full[None], NEG_INF).masked_fill(base_forced[None], POS_INF)
         scores = scores.masked_fill(~exists[None], NEG_INF)
         kk = min(k_pages, num_pages)
+        if pol.refine and pol.refine > kk:
+            # Candidates by score, then the K with the most true mass among them (forced pages kept).
+            cand = torch.topk(scores, min(pol.refine, num_pages), dim=-1).indices
+            exact = page_mass.mean(1).gather(-1, cand)
+            exact = exact.masked_fill(torch.isposinf(scores.gather(-1, cand)), POS_INF)
+            exact = exact.masked_fill(torch.isneginf(scores.gather(-1, cand)), NEG_INF)
+            scores = torch.full_like(scores, NEG_INF).scatter_(-1, cand, exact)
         top = torch.topk(scores, kk, dim=-1).indices  # [H, T, K]
         sel = torch.zeros(h, t, num_pages, dtype=torch.bool).scatter_(-1, top, True) & exists[None]
         sel_g = sel[:, None].expand(h, g, t, num_pages)
@@ -191,6 +202,8 @@ def bytes_per_step(policy: Policy, context: int, page_size: int, budget: int, he
     kv = min(budget, context) * 2 * head_dim * itemsize
     meta = 0 if policy.page_score == "oracle" else pages * policy.subpages * 2 * head_dim * itemsize
     tail = pages * 2 * head_dim * itemsize if policy.tail else 0
+    refine = min(policy.refine, pages) * page_size * head_dim * itemsize if policy.refine else 0  # candidates' keys
+    kv += refine
     return {"kv": kv, "metadata": meta + tail, "total": kv + meta + tail}
 
 
@@ -241,7 +254,7 @@ def probe_text(model, token_ids, positions: int, page_size: int, budget: int, si
 def format_table(totals: ProbeTotals, policies, context: int, page_size: int, budget: int, head_dim: int,
                  itemsize: int, layer_rows=True) -> str:
     """Markdown: per policy the overall means and bytes per step; then captured mass per layer."""
-    lines = ["| policy | mass (mean over group) | mass (min over group) | output rel. error | bytes/step/KV head (KV + metadata) |",
+    lines = ["| policy | mass (mean over group) | mass (min over group) | output rel. error | bytes/step/KV head at a ranking (KV + metadata) |",
              "|---|---|---|---|---|"]
     for pol in policies:
         b = bytes_per_step(pol, context, page_size, budget, head_dim, itemsize)

@@ -44,6 +44,8 @@ class FlexiCacheConfig:
             ranked head always selects (inside the budget).
         stable_page_score (`str`, *optional*): page score of stable heads at their re-rank (None: `page_score`);
             "exact" re-scores with the true attention mass over all their keys every R steps.
+        refine_pages (`int`, *optional*, defaults to 0): when > 0, the page score proposes this many candidate
+            pages (>= K) and the K with the most exact attention mass among them (their keys read) are chosen.
         tail_estimate (`bool`, *optional*, defaults to False): keep each unselected full page in the softmax as
             one term from its mean key and mean value (per-page means kept beside MinMax).
         backend (`str`, *optional*): "torch" or "triton" forces a kernel backend; None picks by device.
@@ -66,6 +68,7 @@ class FlexiCacheConfig:
     recent_pages: int = 0
     stable_page_score: str | None = None
     tail_estimate: bool = False
+    refine_pages: int = 0
     backend: str | None = None
 
     def __post_init__(self):
@@ -113,6 +116,13 @@ class FlexiCacheConfig:
             )
         if not isinstance(self.tail_estimate, bool):
             raise ValueError(f"FlexiCacheConfig.tail_estimate must be True or False, got {self.tail_estimate!r}.")
+        if isinstance(self.refine_pages, bool) or not isinstance(self.refine_pages, int) or not (
+            self.refine_pages == 0 or self.refine_pages >= self.pages_per_head
+        ):
+            raise ValueError(
+                f"FlexiCacheConfig.refine_pages must be 0 (off) or an integer >= {self.pages_per_head} (the budget's "
+                f"pages), got {self.refine_pages!r}."
+            )
         positive_int("score_subpages", self.score_subpages)
         if self.page_size % self.score_subpages:
             raise ValueError(

@@ -84,7 +84,7 @@ class HeadGroup:
         with self._timed("scoring"):
             scores = self.selector.scores(query, self.store, page_valid, scaling)
         with self._timed("selection"):
-            return self.selector.choose(scores)
+            return self.selector.select(scores, query, self.store, scaling)
 
     def pages_for_step(
         self, step: int, query: torch.Tensor, page_valid: torch.Tensor | None, scaling: float = 1.0

@@ -16,6 +16,9 @@ Policies (`FlexiCacheConfig` options):
 - `page_score="exact"`: the true attention mass of every page (softmax over every key, mean over the
   group) — reads every key of the head, so it is the oracle the others approach, not a cheap policy;
   `stable_page_score="exact"` uses it for stable heads only, at their re-rank every R steps.
+- `refine_pages=C`: the score picks C >= K candidate pages, whose keys are then read and scored exactly
+  (true attention mass among the candidates, mean over the group); the top K of those are chosen.
+  Costs reading the candidates' keys at every ranking.
 - `tail_estimate=True`: the unselected full pages are not dropped from the softmax but stand in as one
   term each, `P * exp(scaling * q.mean_key)` with the page's mean value (RetroInfer-like); needs the
   per-page mean key and value beside MinMax (`D + Dv` more metadata values per page).
@@ -123,6 +126,7 @@ class PageSelector:
         self.subpages = cfg.score_subpages
         self.how = page_score or cfg.page_score
         self.recent = cfg.recent_pages
+        self.refine = cfg.refine_pages
 
     def page_scores(
         self, query: torch.Tensor, meta: torch.Tensor, num_pages: int, page_valid: torch.Tensor | None, scaling: float
@@ -144,9 +148,8 @@ class PageSelector:
         """Page scores `[N, Np]` (fp32) with the forced pages at +inf and all-padding pages at -inf."""
         num_pages = store.num_pages
         if self.how == "exact":
-            keys = store.dense()[0].reshape(store.rows, store.length, -1)
-            pad = num_pages * store.page_size - store.length
-            keys = torch.nn.functional.pad(keys, (0, 0, 0, pad))
+            pages = torch.arange(num_pages, device=store.device).expand(store.rows, num_pages)
+            keys = store.page_keys(pages).reshape(store.rows, num_pages * store.page_size, -1)
             scores = exact_page_mass(query, keys, store.length, store.page_size, scaling)
             if page_valid is not None:
                 scores = scores.masked_fill(~page_valid, NEG_INF)
@@ -159,6 +162,29 @@ class PageSelector:
     def choose(self, scores: torch.Tensor) -> torch.Tensor:
         """The top-K pages of each row, `[N, min(K, Np)]` (all pages when there are at most K)."""
         return kernels.select_topk(scores, self.k)
+
+    def select(self, scores: torch.Tensor, query: torch.Tensor, store, scaling: float,
+               token_valid_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The pages `[N, min(K, Np)]` chosen from `scores` (`scores()`), refined exactly when `refine_pages` is set."""
+        if not self.refine or self.how == "exact" or scores.shape[-1] <= self.k:
+            return self.choose(scores)
+        return self._refine(query, store, scores, scaling, token_valid_rows)
+
+    def _refine(self, query, store, scores, scaling, token_valid_rows):
+        """Top-C candidates by score, then the K with the most exact attention mass among them (forced pages kept)."""
+        cand = kernels.select_topk(scores, min(self.refine, scores.shape[-1]))  # [N, C]
+        forced = torch.isposinf(scores.gather(1, cand))
+        keys = store.page_keys(cand)  # [N, C, P, D]
+        n, c, p, d = keys.shape
+        pos = cand[:, :, None] * p + torch.arange(p, device=cand.device)  # [N, C, P]
+        ok = pos < store.length
+        if token_valid_rows is not None:
+            ok &= token_valid_rows.gather(1, pos.clamp(max=token_valid_rows.shape[1] - 1).view(n, -1)).view(n, c, p)
+        logits = torch.matmul(query.float(), keys.view(n, c * p, d).float().transpose(1, 2)) * scaling
+        logits = logits.masked_fill(~ok.view(n, 1, c * p), NEG_INF)
+        mass = torch.softmax(logits, dim=-1).nan_to_num(0.0).view(n, -1, c, p).sum(-1).mean(1)  # [N, C]
+        mass = mass.masked_fill(forced, POS_INF).masked_fill(torch.isneginf(scores.gather(1, cand)), NEG_INF)
+        return cand.gather(1, torch.topk(mass, self.k, dim=-1).indices)
 
     def streaming_pages(self, rows: int, num_pages: int, device) -> torch.Tensor:
         """Sink + most recent pages `[rows, min(K, Np)]` (the LServe-like baseline's streaming heads)."""
