@@ -250,6 +250,7 @@ class PagedKV:
 
     def dense(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Every token's K and V as `[B, heads, L, D]`, taken from the device where resident, else the host."""
+        self.transfers.wait_promotions()  # the device pages read below may be a pending promotion's
         pages = self.num_pages
         slots = self.table[:, :pages]
         k = self.k_pool[slots].clone()  # [N, Np, P, D]

@@ -1,11 +1,21 @@
 """Host<->device page copies: a low-priority side stream with events on CUDA, plain copies elsewhere.
 
+`PageTransfers` decides *when* to wait (the ordering rules below); the copies themselves and the
+stream/event primitives are a `CudaStreams` on CUDA, or nothing on a CPU, where every copy is
+synchronous. Tests swap in a fake with the same four primitives that runs each copy only when the
+code waits for it and fills its destination with NaN until then (`tests/deferred_transfers.py`), so
+these rules are exercised without a GPU.
+
 Ordering rules (CUDA):
 - An offload (device -> host) waits for the compute stream to have written the pages.
 - A promotion (host -> device) waits for the compute stream to have finished reading the slots it
   overwrites, and the compute stream waits for the promotion before it reads those slots again.
+- A promotion gathers its host pages with the CPU, so the offloads that wrote them must have landed
+  in host memory first: the host waits on their event (a stream wait would only order GPU work).
+- A device pool is replaced (grown, repacked) only after the compute stream has waited for the
+  promotions writing into it (`PagedKV` calls `wait_promotions` first); the side stream also marks
+  the pools and slot indices it uses (`record_stream`), so no block it still touches is reused.
 - The pinned staging buffer of a promotion is reused only after its previous copy has landed.
-On a CPU the same calls copy synchronously, so the tier logic is exercised by the CPU tests.
 """
 
 from __future__ import annotations
@@ -13,48 +23,96 @@ from __future__ import annotations
 import torch
 
 
+class CudaStreams:
+    """The CUDA primitives: copies on one low-priority side stream, completion events."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        # Lowest priority: copies fill the gaps between compute kernels instead of delaying them.
+        low, _high = torch.cuda.Stream.priority_range()
+        self.side = torch.cuda.Stream(device=device, priority=low)
+
+    def host_empty(self, shape, dtype) -> torch.Tensor:
+        """Pinned host memory, so copies can be asynchronous."""
+        return torch.empty(shape, dtype=dtype, pin_memory=True)
+
+    def _on_side(self, copy, uses) -> torch.cuda.Event:
+        self.side.wait_stream(torch.cuda.current_stream(self.device))  # after the compute work issued so far
+        with torch.cuda.stream(self.side):
+            copy()
+            for t in uses:
+                if t.is_cuda:
+                    t.record_stream(self.side)  # not freed (and reused) before the side stream is done with it
+            done = torch.cuda.Event()
+            done.record(self.side)
+        return done
+
+    def offload(self, host_dst: torch.Tensor, device_src: torch.Tensor) -> torch.cuda.Event:
+        """Copy `device_src` into pinned `host_dst`; returns the copy's event."""
+        return self._on_side(lambda: host_dst.copy_(device_src, non_blocking=True), (device_src,))
+
+    def promote(self, k_pool, v_pool, dst_slots, staged) -> torch.cuda.Event:
+        """Copy pinned `staged [2, C, P, D]` (keys, values) into device slots `dst_slots [C]`; returns the event."""
+
+        def copy():
+            landed = staged.to(self.device, non_blocking=True)
+            k_pool.index_copy_(0, dst_slots, landed[0])
+            v_pool.index_copy_(0, dst_slots, landed[1])
+
+        return self._on_side(copy, (k_pool, v_pool, dst_slots))
+
+    def compute_wait(self, event) -> None:
+        """The compute stream waits for `event` (the host does not)."""
+        torch.cuda.current_stream(self.device).wait_event(event)
+
+    def host_wait(self, event) -> None:
+        """The host waits for `event`."""
+        event.synchronize()
+
+    def host_sync(self) -> None:
+        """The host waits for every copy issued so far."""
+        self.side.synchronize()
+
+
+def streams_for(device: torch.device):
+    """The stream primitives for `device`: `CudaStreams` on CUDA, None (synchronous copies) elsewhere."""
+    return CudaStreams(device) if device.type == "cuda" else None
+
+
 class PageTransfers:
-    """Copies for one layer's tiered head group; one instance per store."""
+    """Copies for one store's tiers; one instance per store. See the module docstring for the ordering rules."""
 
     def __init__(self, device: torch.device):
         self.device = device
         self.is_cuda = device.type == "cuda"
-        self.stream = None
-        if self.is_cuda:
-            # Lowest priority: copies fill the gaps between compute kernels instead of delaying them.
-            low, _high = torch.cuda.Stream.priority_range()
-            self.stream = torch.cuda.Stream(device=device, priority=low)
-        self._promotion_done: torch.cuda.Event | None = None
-        self._offload_done: torch.cuda.Event | None = None
+        self.streams = streams_for(device)
+        self._promotion_done = None
+        self._offload_done = None
         self._staging: torch.Tensor | None = None
-        self._staging_free: torch.cuda.Event | None = None
+        self._staging_free = None
 
     def host_empty(self, shape, dtype) -> torch.Tensor:
-        """Host memory for the host tier: pinned on CUDA so copies can be asynchronous."""
-        return torch.empty(shape, dtype=dtype, pin_memory=self.is_cuda)
+        """Host memory for the host tier (pinned on CUDA)."""
+        if self.streams is None:
+            return torch.empty(shape, dtype=dtype)
+        return self.streams.host_empty(shape, dtype)
 
     def offload(self, host_dst: torch.Tensor, device_src: torch.Tensor) -> None:
         """Copy freshly filled pages `device_src` into their host slots `host_dst` (same shape)."""
-        if not self.is_cuda:
+        if self.streams is None:
             host_dst.copy_(device_src)
             return
-        compute = torch.cuda.current_stream(self.device)
-        self.stream.wait_stream(compute)
-        with torch.cuda.stream(self.stream):
-            host_dst.copy_(device_src, non_blocking=True)
-            device_src.record_stream(self.stream)  # keep the gathered pages alive until copied
-            self._offload_done = torch.cuda.Event()
-            self._offload_done.record(self.stream)
+        self._offload_done = self.streams.offload(host_dst, device_src)
 
     def wait_offloads(self) -> None:
-        """Block the compute stream until every issued offload has landed (before freeing device slots)."""
-        if self.is_cuda and self._offload_done is not None:
-            torch.cuda.current_stream(self.device).wait_event(self._offload_done)
+        """The compute stream waits until every issued offload has read its pages (before freeing device slots)."""
+        if self._offload_done is not None:
+            self.streams.compute_wait(self._offload_done)
 
     def sync_host(self) -> None:
-        """Block the host until all copies finished (before the host tier is reallocated or reordered)."""
-        if self.is_cuda:
-            self.stream.synchronize()
+        """The host waits for all copies (before the host tier is read by the CPU, reallocated or reordered)."""
+        if self.streams is not None:
+            self.streams.host_sync()
 
     def promote(
         self,
@@ -68,36 +126,31 @@ class PageTransfers:
         """Copy host pages `host_*[host_index]` (flat `[Np*N, P, D]` views) into device slots `dst_slots`."""
         if host_index.numel() == 0:
             return
-        if not self.is_cuda:
+        if self.streams is None:
             idx = host_index.to(host_k.device)
             k_pool.index_copy_(0, dst_slots, host_k.index_select(0, idx))
             v_pool.index_copy_(0, dst_slots, host_v.index_select(0, idx))
             return
+        if self._offload_done is not None:
+            # The CPU gathers host pages below: their offloads must be in host memory, not merely ordered on a stream.
+            self.streams.host_wait(self._offload_done)
         count = host_index.numel()
         staging = self._staging_buffer(count, host_k)
         idx = host_index.cpu()
         torch.index_select(host_k, 0, idx, out=staging[0, :count])
         torch.index_select(host_v, 0, idx, out=staging[1, :count])
-        compute = torch.cuda.current_stream(self.device)
-        self.stream.wait_stream(compute)  # the evicted slots are no longer being read
-        with torch.cuda.stream(self.stream):
-            landed = staging[:, :count].to(self.device, non_blocking=True)
-            slots = dst_slots.to(self.device, non_blocking=True)
-            k_pool.index_copy_(0, slots, landed[0])
-            v_pool.index_copy_(0, slots, landed[1])
-            self._promotion_done = torch.cuda.Event()
-            self._promotion_done.record(self.stream)
-            self._staging_free = self._promotion_done
+        self._promotion_done = self.streams.promote(k_pool, v_pool, dst_slots, staging[:, :count])
+        self._staging_free = self._promotion_done
 
     def wait_promotions(self) -> None:
-        """Make the compute stream wait for issued promotions before it reads the promoted slots."""
-        if self.is_cuda and self._promotion_done is not None:
-            torch.cuda.current_stream(self.device).wait_event(self._promotion_done)
+        """Make the compute stream wait for issued promotions before it reads (or replaces) the pools they write."""
+        if self._promotion_done is not None:
+            self.streams.compute_wait(self._promotion_done)
             self._promotion_done = None
 
     def _staging_buffer(self, count: int, like: torch.Tensor) -> torch.Tensor:
         if self._staging_free is not None:
-            self._staging_free.synchronize()  # its previous copy must have left the buffer
+            self.streams.host_wait(self._staging_free)  # its previous copy must have left the buffer
         if self._staging is None or self._staging.shape[1] < count:
-            self._staging = torch.empty((2, max(count, 64), *like.shape[1:]), dtype=like.dtype, pin_memory=True)
+            self._staging = self.streams.host_empty((2, max(count, 64), *like.shape[1:]), like.dtype)
         return self._staging

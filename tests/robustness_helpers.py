@@ -8,7 +8,8 @@ from fc_hf.cache import FlexiCache
 
 
 class RecordingCache(FlexiCache):
-    """A FlexiCache that also keeps every K/V given to `update`, as a DynamicCache fed the same states would."""
+    """A FlexiCache that also keeps every K/V given to `update`, as a DynamicCache fed the same states would
+    (beam reorders and batch expansion included)."""
 
     def __init__(self, *a, **k):
         super().__init__(*a, **k)
@@ -21,6 +22,23 @@ class RecordingCache(FlexiCache):
             value_states.clone() if v is None else torch.cat([v, value_states], 2),
         )
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    def _reindex_seen(self, rows: torch.Tensor) -> None:
+        self.seen = {i: (k[rows.to(k.device)], v[rows.to(v.device)]) for i, (k, v) in self.seen.items()}
+
+    def reorder_cache(self, beam_idx):
+        super().reorder_cache(beam_idx)
+        self._reindex_seen(beam_idx)
+
+    def batch_select_indices(self, indices):
+        super().batch_select_indices(indices)
+        self._reindex_seen(indices)
+
+    def batch_repeat_interleave(self, repeats):
+        super().batch_repeat_interleave(repeats)
+        if self.seen:
+            batch = next(iter(self.seen.values()))[0].shape[0]
+            self._reindex_seen(torch.arange(batch).repeat_interleave(repeats))
 
     def assert_nothing_lost(self, where: str = "") -> None:
         """Both tiers together hold every token's K/V bit for bit, in every FlexiCache layer."""

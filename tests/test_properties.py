@@ -9,13 +9,17 @@ tokens and checks after every decode step:
     the selected pages' tokens, taken from the K/V the cache was *given* (so a page in the wrong slot
     fails too), and each selection has the current page, no duplicate, and every page while <= K;
 (c) with a budget covering every token, logits equal a DynamicCache run.
+Half the examples of (a)-(b) run the tier copies through the deferred fake backend
+(tests/deferred_transfers.py), so a missing stream wait shows as NaN or a lost page.
 Bounded for CI: few examples, derandomized; FLEXICACHE_HYPOTHESIS_EXAMPLES raises the count.
 """
 
 import os
+from contextlib import nullcontext
 
 import torch
 from conftest import tiny_model
+from deferred_transfers import deferred_transfers
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from robustness_helpers import RecordingCache, forced_decode
@@ -59,7 +63,8 @@ def cases(draw, full_budget=False):
         promotion=draw(st.sampled_from(["sync", "deferred"])),
     )
     return dict(layers=layers, kv_heads=kv_heads, heads=kv_heads * ratio, head_dim=head_dim, prompt=prompt,
-                decode=decode, pads=pads, holes=holes, unstable=unstable, cfg=cfg, seed=draw(st.integers(0, 2**16)))
+                decode=decode, pads=pads, holes=holes, unstable=unstable, cfg=cfg, seed=draw(st.integers(0, 2**16)),
+                deferred_copies=draw(st.booleans()))
 
 
 def _setup(case):
@@ -84,7 +89,7 @@ def _setup(case):
 def test_tiers_reconstruct_everything_and_attention_matches_bruteforce(case):
     model, ids, mask, forced, profile = _setup(case)
     cfg = FlexiCacheConfig(**case["cfg"])
-    cache = RecordingCache(model.config, cfg, profile)
+    cache = None  # made inside the transfer backend below
     checked = []
     real_attend = HeadGroup.attend
 
@@ -110,7 +115,9 @@ def test_tiers_reconstruct_everything_and_attention_matches_bruteforce(case):
 
     HeadGroup.attend = spy_attend
     try:
-        forced_decode(model, cache, ids, mask, forced, on_step=lambda t: cache.assert_nothing_lost(f"step {t}"))
+        with deferred_transfers() if case["deferred_copies"] else nullcontext():
+            cache = RecordingCache(model.config, cfg, profile)
+            forced_decode(model, cache, ids, mask, forced, on_step=lambda t: cache.assert_nothing_lost(f"step {t}"))
     finally:
         HeadGroup.attend = real_attend
     assert len(set(checked)) == case["layers"]  # every layer's decode went through the sparse path
