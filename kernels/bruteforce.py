@@ -6,6 +6,8 @@ are checked against them.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 NEG_INF = float("-inf")
@@ -35,3 +37,131 @@ def dense_attention_bruteforce(
     probs = torch.nan_to_num(torch.softmax(logits, dim=-1), nan=0.0)
     return torch.einsum("ngl,nld->ngd", probs, values.double()).float()
 
+
+
+# -- selection oracle ------------------------------------------------------------------------------
+# One (sequence, KV head) row at a time, plain loops over pages and query heads, float64, the literal
+# formulas of SPEC §2 and of `FlexiCacheConfig`'s selection options. Shared by the selection property
+# test and by policy tests; `fc_hf/selection.py` is the production path it checks.
+
+POS_INF = float("inf")
+
+
+def minmax_bruteforce(keys: torch.Tensor, page_size: int, subpages: int = 1) -> list[list[tuple[list, list]]]:
+    """MinMax entries of the full pages of one row's keys `[L, D]`: `out[page][sub] = (kmax, kmin)`, lists of D floats.
+
+    Only full pages have entries (the MinMax entry of a page is written when the page fills).
+    """
+    rows = keys.tolist()
+    sub = page_size // subpages
+    out = []
+    for page in range(len(rows) // page_size):
+        entries = []
+        for s in range(subpages):
+            start = page * page_size + s * sub
+            chunk = rows[start : start + sub]
+            entries.append(([max(c) for c in zip(*chunk)], [min(c) for c in zip(*chunk)]))
+        out.append(entries)
+    return out
+
+
+def quest_bound_bruteforce(q: list, kmax: list, kmin: list) -> float:
+    """`sum_i max(q_i * kmin_i, q_i * kmax_i)` of one query head over one MinMax entry (lists of floats, float64)."""
+    return sum(max(qi * lo, qi * hi) for qi, lo, hi in zip(q, kmin, kmax))
+
+
+def page_scores_bruteforce(
+    query: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, cfg, scaling: float, page_score: str | None = None
+) -> list[float]:
+    """The score of every page of one row under `cfg`'s policy, forced pages at +inf.
+
+    Args:
+        query (`torch.Tensor` of shape `[G, D]`): the row's query heads (its GQA group).
+        keys (`torch.Tensor` of shape `[L, D]`): every key the row holds, in order (padding included).
+        valid (`torch.Tensor` of shape `[L]`, bool): False for padding (tokens the mask hides).
+        cfg (`FlexiCacheConfig`): `page_size`, `score_subpages`, `page_score`, `sink_pages`, `recent_pages`.
+        scaling (`float`): the model's softmax scale (used by `page_score="group_mean"` and `"exact"`).
+        page_score (`str`, *optional*): overrides `cfg.page_score` (a stable head group's `stable_page_score`).
+
+    Returns:
+        `list[float]` of length `ceil(L / page_size)`. The policy, literally:
+        - a page's bound for one query head is the max over its sub-pages' MinMax entries of the Quest
+          bound; a page without an entry (the page being filled, not yet full) has all-zero entries,
+          so its bound is 0;
+        - a page with no attendable token scores -inf;
+        - "quest": the max over the group's query heads of the bound;
+          "group_mean": the mean over query heads of softmax(scaling * bound) over the attendable pages;
+          "exact": the mean over query heads of the attention mass of the page's tokens (softmax of
+          scaling * q.k over every attendable token);
+        - forcing, in this order: the `recent_pages` pages before the last page, the last page (the one
+          being filled), then the first `sink_pages` pages starting at the row's first attendable page
+          (clamped to the last page; a forced sink page without an attendable token gets -inf).
+    """
+    how = page_score or cfg.page_score
+    p, subpages = cfg.page_size, cfg.score_subpages
+    length, dim = keys.shape
+    num_pages = -(-length // p)
+    entries = minmax_bruteforce(keys, p, subpages)
+    zero = [0.0] * dim
+    queries = query.tolist()
+    flags = valid.tolist()
+    attendable = [any(flags[i * p : (i + 1) * p]) for i in range(num_pages)]
+    bounds = []  # [G][num_pages]
+    for q in queries:
+        row = []
+        for page in range(num_pages):
+            page_entries = entries[page] if page < len(entries) else [(zero, zero)] * subpages
+            row.append(max(quest_bound_bruteforce(q, kmax, kmin) for kmax, kmin in page_entries))
+        bounds.append(row)
+    masses = _page_masses(queries, keys.tolist(), flags, p, scaling) if how == "exact" else None
+    scores = []
+    for page in range(num_pages):
+        if not attendable[page]:
+            scores.append(NEG_INF)
+        elif how == "exact":
+            scores.append(sum(m[page] for m in masses) / len(masses))
+        elif how == "quest":
+            scores.append(max(b[page] for b in bounds))
+        elif cfg.page_score == "group_mean":
+            total = 0.0
+            for b in bounds:
+                top = max(b[j] for j in range(num_pages) if attendable[j])
+                norm = sum(math.exp(scaling * (b[j] - top)) for j in range(num_pages) if attendable[j])
+                total += math.exp(scaling * (b[page] - top)) / norm
+            scores.append(total / len(bounds))
+        else:
+            raise ValueError(f"unknown page_score {how!r}")
+    for page in range(max(0, num_pages - 1 - cfg.recent_pages), num_pages - 1):
+        scores[page] = POS_INF
+    scores[num_pages - 1] = POS_INF
+    if cfg.sink_pages:
+        first = attendable.index(True) if any(attendable) else 0
+        for i in range(cfg.sink_pages):
+            page = min(first + i, num_pages - 1)
+            scores[page] = POS_INF if attendable[page] else NEG_INF
+    return scores
+
+
+def _page_masses(queries: list, keys: list, valid: list, page_size: int, scaling: float) -> list[list[float]]:
+    """Per query head, the softmax mass of each page's attendable tokens (`masses[g][page]`)."""
+    num_pages = -(-len(keys) // page_size)
+    out = []
+    for q in queries:
+        logits = [scaling * sum(a * b for a, b in zip(q, k)) for k in keys]
+        top = max(x for x, ok in zip(logits, valid) if ok)
+        weights = [math.exp(x - top) if ok else 0.0 for x, ok in zip(logits, valid)]
+        total = sum(weights)
+        out.append([sum(weights[i * page_size : (i + 1) * page_size]) / total for i in range(num_pages)])
+    return out
+
+
+def top_scores_bruteforce(scores: list[float], k: int) -> list[float]:
+    """The `k` largest scores, descending (the selection's scores; which of several tied pages is taken is free)."""
+    return sorted(scores, reverse=True)[:k]
+
+
+def streaming_pages_bruteforce(num_pages: int, k: int, sink: int) -> list[int]:
+    """Pages a streaming head (LServe-like baseline) reads: all when at most `k`, else `sink` first + the last `k - sink`."""
+    if num_pages <= k:
+        return list(range(num_pages))
+    return list(range(sink)) + list(range(num_pages - (k - sink), num_pages))
