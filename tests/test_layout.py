@@ -7,7 +7,8 @@
 - No core source starts a process or names pip.
 - The accuracy harness (`eval/*.py`) never imports the benchmarks (`eval/bench/`); the benchmarks
   import from the harness only `eval/methods.py`, the module they share.
-- No module imports another module's private (underscore) name.
+- No module imports another module's private (underscore) name, and no modules import each other (not even
+  through an import inside a function).
 """
 
 from __future__ import annotations
@@ -119,3 +120,31 @@ def test_no_module_imports_another_modules_private_names():
                 bad += [(path.relative_to(ROOT).as_posix(), f"{module}.{n}") for n in names
                         if n.startswith("_") and not n.startswith("__")]
     assert bad == []
+
+
+def test_no_import_cycles_even_through_function_level_imports():
+    sources = sorted((ROOT / "fc_hf").rglob("*.py")) + sorted((ROOT / "eval").rglob("*.py")) + sorted(
+        (ROOT / "kernels").glob("*.py"))
+    modules = {}
+    for path in sources:
+        if path in ALIASES:
+            continue
+        name = _package_of(path) if path.stem == "__init__" else f"{_package_of(path)}.{path.stem}"
+        modules[name] = path
+    graph = {name: {m for m, _ in imports(path) if m in modules and m != name and not name.startswith(m + ".")}
+             for name, path in modules.items()}
+
+    def cycle_from(start):
+        stack, seen = [(start, [start])], set()
+        while stack:
+            node, trail = stack.pop()
+            for nxt in graph[node]:
+                if nxt == start:
+                    return trail + [start]
+                if nxt not in seen:
+                    seen.add(nxt)
+                    stack.append((nxt, trail + [nxt]))
+        return None
+
+    cycles = [c for c in map(cycle_from, sorted(graph)) if c]
+    assert cycles == []
