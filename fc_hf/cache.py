@@ -13,6 +13,7 @@ from .config import FlexiCacheConfig
 from .errors import FlexiCacheError
 from .kernels import GatherWorkspace
 from .layer import FlexiCacheLayer
+from .online import OnlineClassifier, check_auto_config
 from .profile import HeadProfile, attention_shape
 
 logger = logging.getLogger("fc_hf")
@@ -38,18 +39,21 @@ class FlexiCache(Cache):
     Args:
         config (`PretrainedConfig`): the model's config (its text config is used).
         cache_config (`FlexiCacheConfig`, *optional*): algorithm settings; defaults to `FlexiCacheConfig()`.
-        profile (`HeadProfile`, *optional*): unstable (layer, kv_head) pairs. None treats every head as
-            unstable (Quest: every head re-ranked every step, everything on the device).
+        profile (`HeadProfile` or `"auto"`, *optional*): unstable (layer, kv_head) pairs. None treats every head
+            as unstable (Quest: every head re-ranked every step, everything on the device). "auto" classifies the
+            heads online from this run (`fc_hf/online.py`): Quest for the first `cache_config.warmup_steps` decode
+            steps, then exactly as with the profile found (`profile_found()`), whose unstable share is
+            `cache_config.unstable_fraction`.
 
     Example:
         >>> from fc_hf import FlexiCache, FlexiCacheConfig, register
         >>> register()
         >>> model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="flexicache")
         >>> cache = FlexiCache(model.config, FlexiCacheConfig(token_budget=1024))
-        >>> out = model.generate(**inputs, past_key_values=cache, max_new_tokens=64)
+        >>> out = model.generate(**inputs, cache=cache, max_new_tokens=64)  # past_key_values=cache before 5.24
     """
 
-    def __init__(self, config, cache_config: FlexiCacheConfig | None = None, profile: HeadProfile | None = None):
+    def __init__(self, config, cache_config: FlexiCacheConfig | None = None, profile: HeadProfile | str | None = None):
         cfg = cache_config or FlexiCacheConfig()
         if not isinstance(cfg, FlexiCacheConfig):
             raise TypeError(f"cache_config must be a FlexiCacheConfig, got {type(cfg).__name__}.")
@@ -60,12 +64,16 @@ class FlexiCache(Cache):
             )
         text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
         num_layers, num_kv_heads, _ = attention_shape(text)
-        if profile is None:
+        auto = isinstance(profile, str) and profile == "auto"
+        if profile is None or auto:
             unstable = {(l, h) for l in range(num_layers) for h in range(num_kv_heads)}
-            logger.info("FlexiCache: no head profile given, every head is treated as unstable (Quest behaviour).")
+            if auto:
+                check_auto_config(cfg)
+            else:
+                logger.info("FlexiCache: no head profile given, every head is treated as unstable (Quest behaviour).")
         else:
             if not isinstance(profile, HeadProfile):
-                raise TypeError(f"profile must be a HeadProfile or None, got {type(profile).__name__}.")
+                raise TypeError(f"profile must be a HeadProfile, 'auto' or None, got {profile!r}.")
             profile.check(text)
             unstable = profile.unstable
         for l, h in cfg.streaming_heads:
@@ -77,6 +85,8 @@ class FlexiCache(Cache):
 
         self.cache_config = cfg
         self.profile = profile
+        self.auto: OnlineClassifier | None = None  # profile="auto": the warm-up trace and its classification
+        self._model_text_config = text
         self.timings: dict | None = None
         self.workspace = GatherWorkspace()  # gather buffers of this cache's decode steps (PyTorch backend)
         # Checking that every selected page is resident costs a device sync per head group on CUDA:
@@ -108,6 +118,8 @@ class FlexiCache(Cache):
                 )
         super().__init__(layers=layers)
         self._first_flexi_idx = next((i for i, l in enumerate(layers) if isinstance(l, FlexiCacheLayer)), None)
+        if auto:
+            self.auto = OnlineClassifier([l.layer_idx for l in self.flexi_layers], num_kv_heads, cfg)
         if not self.flexi_layers:
             logger.warning("FlexiCache: this model has no full-attention layers; it behaves like DynamicCache.")
 
@@ -180,6 +192,11 @@ class FlexiCache(Cache):
         """Bytes actually allocated per tier (not formulas), plus what a DynamicCache would hold."""
         report = {"device_kv_bytes": 0, "host_kv_bytes": 0, "metadata_bytes": 0, "dense_kv_bytes": 0,
                   "device_slots_in_use": 0}
+        if self.auto is not None:  # profile="auto": -1 while warming up; the trace is counted as metadata
+            report["auto_classified_after_step"] = -1 if self.auto.classified_after_step is None else (
+                self.auto.classified_after_step)
+            report["auto_unstable_heads"] = -1 if self.auto.unstable is None else len(self.auto.unstable)
+            report["metadata_bytes"] += self.auto.trace_bytes()
         for layer in self.layers:
             if isinstance(layer, FlexiCacheLayer):
                 for store in layer.stores():
@@ -211,9 +228,20 @@ class FlexiCache(Cache):
                 if group.store is not None:
                     for key, value in group.store.counters.items():
                         s[key] += value
+        if self.auto is not None:
+            s["reranks_unstable"] += self.auto.warmup_rankings
+            s["auto_profile"] = self.auto.summary()
         if self.timings is not None:
             s["timings_s"] = dict(self.timings)
         return s
+
+    def profile_found(self) -> HeadProfile | None:
+        """The `HeadProfile` `profile="auto"` classified (save it with `.save(path)` to reuse it); None before then."""
+        if self.auto is None:
+            raise FlexiCacheError('profile_found() is for a FlexiCache built with profile="auto".')
+        if self.auto.unstable is None:
+            return None
+        return HeadProfile.from_unstable(self._model_text_config, self.auto.unstable, extra=self.auto.extra())
 
     def enable_timing(self) -> None:
         """Accumulate per-phase seconds (scoring, selection, gather_attention, promotion) into `stats()`."""
@@ -234,3 +262,5 @@ class FlexiCache(Cache):
                 layer.keys = layer.values = None
         self.layers = []
         self.workspace.clear()
+        if self.auto is not None:
+            self.auto.topk, self.auto.valid = {}, {}

@@ -420,7 +420,7 @@ def test_cache_generate_triton_backend_matches_torch(device):
 
 
 def test_bench_kernels_smoke(tmp_path, capsys):
-    from fc_hf.eval import bench_kernels
+    from fc_hf.eval.bench import kernels as bench_kernels
 
     out = tmp_path / "bench.json"
     argv = [

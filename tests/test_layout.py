@@ -28,7 +28,6 @@ NOT_CORE = ("fc_hf.assets", "fc_hf.profiler", "fc_hf.eval", "fc_hf.demo", "fc_hf
 HARNESS = sorted((ROOT / "eval").glob("*.py"))
 BENCH = sorted((ROOT / "eval" / "bench").glob("*.py"))
 # Old name of eval/bench/kernels.py (an alias module), kept while tests/test_kernels.py imports it.
-ALIASES = {ROOT / "eval" / "bench_kernels.py"}
 
 
 def _package_of(path: Path) -> str:
@@ -102,10 +101,10 @@ def test_core_never_starts_a_process_or_names_pip():
 
 
 def test_harness_and_benchmarks_meet_only_in_methods():
-    harness_imports_bench = [(p.name, m) for p in HARNESS if p not in ALIASES
+    harness_imports_bench = [(p.name, m) for p in HARNESS
                              for m, _ in imports(p) if _under(m, ["fc_hf.eval.bench"])]
     assert harness_imports_bench == []
-    harness = {f"fc_hf.eval.{p.stem}" for p in HARNESS} - {"fc_hf.eval.__init__", "fc_hf.eval.bench_kernels"}
+    harness = {f"fc_hf.eval.{p.stem}" for p in HARNESS} - {"fc_hf.eval.__init__"}
     bench_uses = {m for p in BENCH for m, _ in imports(p) if m in harness}
     assert bench_uses <= {"fc_hf.eval.methods"}
 
@@ -113,8 +112,6 @@ def test_harness_and_benchmarks_meet_only_in_methods():
 def test_no_module_imports_another_modules_private_names():
     bad = []
     for path in CORE_SOURCES + HARNESS + BENCH + sorted((ROOT / "fc_hf").glob("*/*.py")):
-        if path in ALIASES:
-            continue
         for module, names in imports(path):
             if module and module.startswith("fc_hf"):
                 bad += [(path.relative_to(ROOT).as_posix(), f"{module}.{n}") for n in names
@@ -127,8 +124,6 @@ def test_no_import_cycles_even_through_function_level_imports():
         (ROOT / "kernels").glob("*.py"))
     modules = {}
     for path in sources:
-        if path in ALIASES:
-            continue
         name = _package_of(path) if path.stem == "__init__" else f"{_package_of(path)}.{path.stem}"
         modules[name] = path
     graph = {name: {m for m, _ in imports(path) if m in modules and m != name and not name.startswith(m + ".")}
