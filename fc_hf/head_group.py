@@ -80,14 +80,18 @@ class HeadGroup:
             return False
         return step == 1 or step % self.interval == 0
 
-    def _rank(self, query: torch.Tensor, page_valid: torch.Tensor | None, scaling: float) -> torch.Tensor:
+    def _rank(self, query: torch.Tensor, page_valid: torch.Tensor | None, scaling: float,
+              token_valid: torch.Tensor | None) -> torch.Tensor:
+        # Exact scoring and refinement read tokens: they need the padding mask per row (row = b * heads + h).
+        rows_valid = None if token_valid is None else token_valid.repeat_interleave(len(self.heads), dim=0)
         with self._timed("scoring"):
-            scores = self.selector.scores(query, self.store, page_valid, scaling)
+            scores = self.selector.scores(query, self.store, page_valid, scaling, rows_valid)
         with self._timed("selection"):
-            return self.selector.select(scores, query, self.store, scaling)
+            return self.selector.select(scores, query, self.store, scaling, rows_valid)
 
     def pages_for_step(
-        self, step: int, query: torch.Tensor, page_valid: torch.Tensor | None, scaling: float = 1.0
+        self, step: int, query: torch.Tensor, page_valid: torch.Tensor | None, scaling: float = 1.0,
+        token_valid: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Logical pages `[N, M]` this group attends to at decode step `step` (never -1: all exist and are resident)."""
         if self.pending is not None:
@@ -97,7 +101,7 @@ class HeadGroup:
             return self.selector.streaming_pages(self.store.rows, self.store.num_pages, self.store.device)
         store = self.store
         if self.is_due(step):
-            new_sel = self._rank(query, page_valid, scaling)
+            new_sel = self._rank(query, page_valid, scaling, token_valid)
             self.rankings += 1
             if step > 1 and self.tiered and self.cfg.promotion == "deferred":
                 # Attend with the current pages now; promote after this step's attention.
@@ -124,6 +128,14 @@ class HeadGroup:
         self.sel = new_sel
         self.pages_at_rank = pages_at_rank
 
+    def adopt_selection(self, sel: torch.Tensor, pages_at_rank: int) -> None:
+        """Take `sel [N, <=K]`, ranked when `pages_at_rank` pages existed, as this group's last ranking.
+
+        For `profile="auto"`: a group built at the end of the warm-up inherits the ranking its heads made at
+        that (re-rank) step; a tiered group then keeps only those pages on the device, as after that ranking.
+        """
+        self._apply(sel, pages_at_rank)
+
     def _move_tiers(self, new_sel: torch.Tensor) -> None:
         promoted = move_tiers(self.store, self._resident_pages(), new_sel)
         if self.sel is not None:  # the first ranking only drops the prompt's pages; it promotes nothing
@@ -146,7 +158,7 @@ class HeadGroup:
     ) -> torch.Tensor:
         """Sparse decode attention for this group. `query [N, G, D]` -> `[N, G, D]`."""
         store = self.store
-        pages = self.pages_for_step(step, query, page_valid, scaling)
+        pages = self.pages_for_step(step, query, page_valid, scaling, token_valid)
         store.transfers.wait_promotions()
         with self._timed("gather_attention"):
             slots = store.slots_for(pages)

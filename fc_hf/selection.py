@@ -143,14 +143,15 @@ class PageSelector:
         return combine_group(bounds, self.how, scaling, page_valid)
 
     def scores(
-        self, query: torch.Tensor, store, page_valid: torch.Tensor | None, scaling: float = 1.0
+        self, query: torch.Tensor, store, page_valid: torch.Tensor | None, scaling: float = 1.0,
+        token_valid_rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Page scores `[N, Np]` (fp32) with the forced pages at +inf and all-padding pages at -inf."""
         num_pages = store.num_pages
         if self.how == "exact":
             pages = torch.arange(num_pages, device=store.device).expand(store.rows, num_pages)
             keys = store.page_keys(pages).reshape(store.rows, num_pages * store.page_size, -1)
-            scores = exact_page_mass(query, keys, store.length, store.page_size, scaling)
+            scores = exact_page_mass(query, keys, store.length, store.page_size, scaling, token_valid_rows)
             if page_valid is not None:
                 scores = scores.masked_fill(~page_valid, NEG_INF)
         else:

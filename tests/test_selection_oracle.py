@@ -80,8 +80,6 @@ def test_selection_reads_attention_and_metadata_match_bruteforce(case):
     run_case(case)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="selection.py: page_score='exact' scores padding tokens' attention mass "
-                   "(PageSelector.scores calls exact_page_mass without token_valid_rows); reported to the lead")
 def test_exact_page_mass_masks_padding():
     """The shrunk counterexample hypothesis found: one row left-padded by one token, stable heads re-ranked exactly."""
     run_case(dict(
