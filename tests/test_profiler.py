@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import math
 
 import pytest
 import torch
@@ -50,13 +49,14 @@ def _rco_pair(topk, num_pages, s, t, l, h):
 
 
 def _ts_bruteforce(topk, num_pages, window):
+    """TS of every full window (start s = 0, W, 2W, ... with s + W <= D), as the authors compute it."""
     d, layers, heads, _ = topk.shape
-    starts = list(range(0, max(d - 1, 0), window))
+    starts = [s for s in range(0, d, window) if s + window <= d]
     out = torch.full((len(starts), layers, heads), float("nan"))
     for w, s in enumerate(starts):
         for l in range(layers):
             for h in range(heads):
-                vals = [_rco_pair(topk, num_pages, s, t, l, h) for t in range(s + 1, min(s + window, d))]
+                vals = [_rco_pair(topk, num_pages, s, t, l, h) for t in range(s + 1, s + window)]
                 vals = [v for v in vals if v is not None]
                 if vals:
                     out[w, l, h] = sum(vals) / len(vals)
@@ -105,7 +105,7 @@ def _drifting_trace(d, layers, heads, k, n_pages, unstable, seed=0, drift_every=
         pytest.param(37, 16, 8, 20, id="D37-W16-window-does-not-divide"),
         pytest.param(48, 16, 8, 9, id="D48-K-close-to-N"),
         pytest.param(33, 5, 6, 4, id="D33-W5-starts-with-N<=K"),
-        pytest.param(17, 16, 3, 30, id="D17-two-windows-last-has-one-pair"),
+        pytest.param(17, 16, 3, 30, id="D17-one-full-window-and-a-partial-one"),
     ],
 )
 def test_temporal_stability_matches_bruteforce(d, window, k, base_pages):
@@ -115,7 +115,7 @@ def test_temporal_stability_matches_bruteforce(d, window, k, base_pages):
     topk[1:, 0, 0] = topk[0, 0, 0]
     ts = temporal_stability(topk, num_pages, window)
     ref = _ts_bruteforce(topk, num_pages, window)
-    assert ts.shape == (math.ceil((d - 1) / window), 2, 3)
+    assert ts.shape == (d // window, 2, 3)
     assert ts.dtype == torch.float32
     torch.testing.assert_close(ts, ref, equal_nan=True, rtol=1e-5, atol=1e-6)
 
@@ -132,11 +132,19 @@ def test_temporal_stability_constant_and_disjoint_heads():
     assert torch.equal(ts[:, 0, 1], torch.zeros(ts.shape[0]))
 
 
+def test_temporal_stability_drops_a_trailing_partial_window():
+    """D=24, W=16: one full window; the 8 steps after it form no window (a partial one would vote as a full one)."""
+    topk = torch.arange(4).expand(24, 1, 1, 4).clone()
+    topk[16:, 0, 0] = torch.arange(20, 24)  # the partial tail changes completely
+    ts = temporal_stability(topk, torch.full((24,), 40), window=16)
+    assert ts.shape == (1, 1, 1) and ts[0, 0, 0] == 1.0
+
+
 def test_temporal_stability_undefined_when_everything_selected():
     """N_t <= K at every later step: no defined pair, TS is NaN (documented choice: skip)."""
     topk = torch.arange(4).expand(10, 1, 1, 4).clone()
     ts = temporal_stability(topk, torch.full((10,), 4), window=4)
-    assert ts.shape == (3, 1, 1) and torch.isnan(ts).all()
+    assert ts.shape == (2, 1, 1) and torch.isnan(ts).all()  # windows at steps 0 and 4; 8-9 are no full window
     assert temporal_stability(topk[:1], torch.full((1,), 4)).shape == (0, 1, 1)  # D=1: no window
 
 

@@ -8,8 +8,10 @@ Random-corrected overlap between steps s < t:
 
     RCO(s, t) = max(0, (|S_s ∩ S_t| / K - K / N_t) / (1 - K / N_t)),   N_t = num_pages[t]
 
-Temporal stability of the window starting at s: TS(s) = mean of RCO(s, t) over t = s+1 .. s+W-1
-(clipped at D). Windows start at s = 0, W, 2W, ... while s <= D-2 (a window needs one later step).
+Temporal stability of the window starting at s: TS(s) = mean of RCO(s, t) over t = s+1 .. s+W-1.
+Windows start at s = 0, W, 2W, ... and only full windows count (s + W <= D), as in the authors'
+computation: a trailing partial window would weigh as much as a full one in `classify_heads`'s vote
+while resting on fewer steps.
 
 Undefined pairs: when N_t <= K every page is selected, chance overlap K/N_t >= 1 and RCO is 0/0.
 Such pairs are *skipped* (left out of the window mean): selecting everything says nothing about
@@ -75,29 +77,26 @@ def temporal_stability(topk: torch.Tensor, num_pages: torch.Tensor, window: int 
         window (`int`, *optional*, defaults to 16): W, window length in steps (windows start every W steps).
 
     Returns:
-        `torch.FloatTensor` of shape `[num_windows, L, H]`, num_windows = ceil((D - 1) / W) (0 when D < 2).
+        `torch.FloatTensor` of shape `[num_windows, L, H]`, num_windows = D // W (full windows only; 0 when D < W).
         NaN where a window has no defined pair (every later step had N_t <= K).
 
     Example:
         >>> topk = torch.arange(4).expand(33, 2, 3, 4)        # heads never change
-        >>> temporal_stability(topk, torch.full((33,), 40)).shape
+        >>> temporal_stability(topk, torch.full((33,), 40)).shape   # steps 32.. form no full window
         torch.Size([2, 2, 3])
     """
     _check_trace(topk, num_pages)
     if window < 2:
         raise ValueError(f"window must be >= 2 (a window compares its first step with later ones), got {window}")
     d, layers, heads, k = topk.shape
-    starts = torch.arange(0, max(d - 1, 0), window)
+    starts = torch.arange(0, max(d - window + 1, 0), window)  # full windows only
     if starts.numel() == 0:
         return torch.empty(0, layers, heads)
-    steps = starts[:, None] + torch.arange(1, window)  # [nw, W-1]
-    in_trace = steps < d
-    steps = steps.clamp(max=d - 1)
+    steps = starts[:, None] + torch.arange(1, window)  # [nw, W-1], all < D
     topk_sorted, _ = topk.sort(dim=-1)
     a = topk[starts][:, None].expand(-1, window - 1, -1, -1, -1)  # [nw, W-1, L, H, K]
     inter = _intersection_size(a, topk_sorted[steps])  # [nw, W-1, L, H]
     rco, defined = _rco(inter, k, num_pages[steps][..., None, None])
-    defined = defined & in_trace[..., None, None]
     rco = torch.where(defined, rco, torch.zeros_like(rco))
     return (rco.sum(1) / defined.sum(1)).float()  # 0/0 -> NaN for undefined windows
 
