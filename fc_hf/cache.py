@@ -162,7 +162,13 @@ class FlexiCache(Cache):
         return device.type != "cuda" or os.environ.get("FLEXICACHE_DEBUG") == "1"
 
     def attn_implementation_hint(self) -> str:
-        return "not 'flexicache'"
+        """The attention implementation the model's attention layers dispatch on (`config._attn_implementation`).
+
+        Read from the config this cache was built from, at the time of the error: `FlexiCache(model.config)`
+        shares the model's config object, which `set_attn_implementation` updates.
+        """
+        impl = getattr(self._model_text_config, "_attn_implementation", None)
+        return impl if impl is not None else "unknown (the config names none)"
 
     # -- padding information shared by all layers of one step ------------------------------------
     def padding_info(self, attention_mask, length: int, page_size: int):

@@ -44,7 +44,9 @@ class DecodePlaceholder(torch.Tensor):
         if getattr(func, "__name__", "") in _METADATA_OPS:
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **(kwargs or {}))
-        raise FlexiCacheError(_NOT_FLEXICACHE.format(impl=getattr(func, "__name__", func)))
+        layer = next((a.fc_layer for a in args if isinstance(a, DecodePlaceholder)), None)
+        impl = layer.owner.attn_implementation_hint() if layer is not None else "not 'flexicache'"
+        raise FlexiCacheError(_NOT_FLEXICACHE.format(impl=impl))
 
 
 def _placeholder(layer: "FlexiCacheLayer", batch: int, heads: int, length: int, dim: int, like: torch.Tensor):

@@ -79,7 +79,7 @@ def test_model_without_flexicache_attention_raises(no_grad):
     model.set_attn_implementation("sdpa")
     ids, mask = left_padded_batch(1, 20)
     cache = FlexiCache(model.config, FlexiCacheConfig(page_size=4, token_budget=16))
-    with pytest.raises(FlexiCacheError, match="attn_implementation='flexicache'"):
+    with pytest.raises(FlexiCacheError, match="attn_implementation is 'sdpa'.*attn_implementation='flexicache'"):
         model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, max_new_tokens=3, do_sample=False)
 
 
@@ -88,8 +88,26 @@ def test_eager_attention_also_refused(no_grad):
     model.set_attn_implementation("eager")
     ids, mask = left_padded_batch(1, 20)
     cache = FlexiCache(model.config, FlexiCacheConfig(page_size=4, token_budget=16))
-    with pytest.raises(FlexiCacheError, match="flexicache"):
+    with pytest.raises(FlexiCacheError, match="attn_implementation is 'eager'.*attn_implementation='flexicache'"):
         model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, max_new_tokens=2, do_sample=False)
+
+
+def test_attention_that_ignores_the_cache_output_is_refused_naming_it(no_grad):
+    """An attention function that never touches the decode placeholder: the next update refuses, naming it."""
+    from transformers import AttentionInterface
+
+    def ignores_kv(module, query, key, value, attention_mask, **kwargs):
+        return torch.zeros_like(query).transpose(1, 2), None
+
+    AttentionInterface.register("fc_test_ignores_kv", ignores_kv)
+    model = tiny_model("llama", layers=2)
+    model.set_attn_implementation("fc_test_ignores_kv")
+    cache = FlexiCache(model.config, FlexiCacheConfig(page_size=4, token_budget=16))
+    ids = torch.randint(1, 97, (1, 12))
+    model(input_ids=ids, past_key_values=cache, use_cache=True)  # prefill: dense K/V, no placeholder
+    model(input_ids=ids[:, :1], past_key_values=cache, use_cache=True)  # placeholders handed out, never read
+    with pytest.raises(FlexiCacheError, match="attn_implementation is 'fc_test_ignores_kv'"):
+        model(input_ids=ids[:, :1], past_key_values=cache, use_cache=True)
 
 
 def test_config_without_attention_layers():
