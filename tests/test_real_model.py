@@ -1,8 +1,21 @@
-"""The real SmolLM2-135M-Instruct at ~2k tokens: FlexiCache (budget 1024) follows dense decoding.
+"""The real SmolLM2-135M-Instruct on a recall task: FlexiCache must beat realistic broken selections.
 
-Measured here (2026-11-29): Quest 0.97, FlexiCache with a 1-in-3 unstable profile 0.95, budget 256
-0.92, and a deliberately inverted selection (lowest-scoring pages) 0.53 — so the bound below fails
-a broken selection.
+The task (`fc_hf.eval.fidelity.make_tasks`, SPEC §5): a 2,048-token King James Bible prompt whose
+end asks to repeat, word for word, a passage that starts 1,536 tokens back; then 64 tokens of that
+passage are teacher-forced. The score is the share of steps whose next-token prediction agrees with
+dense attention's. At a 512-token budget (a quarter of the prompt), every method below reads the same
+number of pages per head; only *which* pages differ:
+
+- flexicache: the bundled head profile, stable heads re-ranked every 16 steps (defaults);
+- no-rerank: the top-K chosen at the first decode step stays (permanent eviction, SnapKV-like);
+- recency: every head reads the sink page and the most recent pages only (StreamingLLM-like);
+- random: FlexiCache's schedule and forcing, but random page scores.
+
+Measured here (2026-11-30, this file's settings): flexicache 0.875, quest (every head every step)
+0.875, no-rerank 0.625, recency 0.484, random 0.484 (dense recalls the passage's tokens with 0.84
+accuracy). The bound sits between the best control and flexicache. On continuation (no recall) the
+controls reach 0.85-0.87 at this budget, and with the passage 1,024 tokens back no-rerank still
+reaches 0.81: only a far passage separates them (measured the same way).
 """
 
 import pytest
@@ -10,60 +23,83 @@ import torch
 from conftest import require_asset
 from transformers import DynamicCache
 
-import fc_hf.kernels as kernels
 from fc_hf import FlexiCache, FlexiCacheConfig, HeadProfile, register
+from fc_hf.profile import PROFILE_DIR
+from fc_hf.selection import PageSelector
+
+BUDGET = 512
+BOUND = 0.75  # best control 0.625 (40 of 64 steps), flexicache 0.875 (56 of 64)
+MODEL = "smollm2-135m-instruct"
 
 
 @pytest.fixture(scope="module")
-def smollm2():
-    from fc_hf.assets import load_model, text_tokens
+def recall():
+    """The model, the task, dense's predictions at every forced step and the prompt's K/V (prefilled once)."""
+    from fc_hf.assets import load_model
+    from fc_hf.eval.fidelity import make_tasks
 
-    require_asset("smollm2-135m-instruct")
+    require_asset(MODEL)
     require_asset("kjv")
     register()
-    model, tok = load_model("smollm2-135m-instruct", attn_implementation="flexicache")
-    ids = torch.tensor([text_tokens(tok, 2048, offset=200_000)])
+    model, tok = load_model(MODEL, attn_implementation="sdpa")
+    task = make_tasks(tok, kinds=("recall",), prompt_tokens=2048, forced_tokens=64, distances=(1536,))[0]
     with torch.no_grad():
-        dense = model.generate(input_ids=ids, past_key_values=DynamicCache(config=model.config), max_new_tokens=64,
-                               do_sample=False)
-    return model, ids, dense[:, ids.shape[1] :]
+        cache = DynamicCache(config=model.config)
+        model(input_ids=torch.tensor([task.prompt_ids]), past_key_values=cache, use_cache=True, logits_to_keep=1)
+        prompt_kv = [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
+        dense = _forced_predictions(model, cache, task.target_ids)
+    model.set_attn_implementation("flexicache")
+    return model, task, prompt_kv, dense
 
 
-def _teacher_forced_agreement(model, ids, forced, cache) -> float:
+def _forced_predictions(model, cache, targets) -> list[int]:
+    preds = []
+    for token in targets[:-1]:
+        out = model(input_ids=torch.tensor([[token]]), past_key_values=cache, use_cache=True)
+        preds.append(int(out.logits[0, -1].argmax()))
+    return preds
+
+
+def _agreement(recall, cache) -> float:
+    """Load the prompt's K/V into `cache` as a prefill forward would, teacher-force the passage, compare with dense."""
+    model, task, prompt_kv, dense = recall
     with torch.no_grad():
-        out = model(input_ids=ids, past_key_values=cache, use_cache=True)
-        preds = [out.logits[:, -1].argmax(-1)]
-        for t in range(forced.shape[1] - 1):
-            out = model(input_ids=forced[:, t : t + 1], past_key_values=cache, use_cache=True)
-            preds.append(out.logits[:, -1].argmax(-1))
-    return (torch.stack(preds, 1) == forced).float().mean().item()
+        for idx, (k, v) in enumerate(prompt_kv):
+            cache.update(k, v, idx)
+        preds = _forced_predictions(model, cache, task.target_ids)
+    return sum(a == b for a, b in zip(preds, dense)) / len(dense)
 
 
-def _profile(config):
-    return HeadProfile.from_unstable(config, [(layer, layer % 3) for layer in range(config.num_hidden_layers)])
+def _cache(model, method):
+    config = model.config
+    cfg = FlexiCacheConfig(token_budget=BUDGET)
+    stable = HeadProfile.from_unstable(config, [])
+    if method in ("flexicache", "random"):
+        return FlexiCache(config, cfg, HeadProfile.load(PROFILE_DIR / f"{MODEL}.json", config))
+    if method == "no-rerank":
+        return FlexiCache(config, FlexiCacheConfig(token_budget=BUDGET, rerank_interval=10**9), stable)
+    if method == "recency":
+        heads = tuple((l, h) for l in range(config.num_hidden_layers) for h in range(config.num_key_value_heads))
+        return FlexiCache(config, FlexiCacheConfig(token_budget=BUDGET, streaming_heads=heads), stable)
+    raise ValueError(method)
 
 
-def test_flexicache_follows_dense_on_smollm2(smollm2):
-    model, ids, forced = smollm2
-    cache = FlexiCache(model.config, FlexiCacheConfig(token_budget=1024), _profile(model.config))
-    agreement = _teacher_forced_agreement(model, ids, forced, cache)
-    assert agreement >= 0.9
-    stats = cache.stats()
-    assert stats["decode_steps"] == 63 and stats["pages_promoted"] > 0
-    report = cache.memory_report()
+def test_flexicache_recalls_above_the_bound(recall):
+    cache = _cache(recall[0], "flexicache")
+    assert _agreement(recall, cache) >= BOUND
+    stats, report = cache.stats(), cache.memory_report()
+    assert stats["decode_steps"] == 64 and stats["pages_promoted"] > 0
     assert report["host_kv_bytes"] > 0 and report["device_kv_bytes"] < report["dense_kv_bytes"]
 
 
-def test_inverted_selection_is_caught(smollm2, monkeypatch):
-    """Negative control: choosing the lowest-scoring pages must fall well below the bound above."""
-    model, ids, forced = smollm2
-    real = kernels.score_pages
+@pytest.mark.parametrize("method", ["no-rerank", "recency", "random"])
+def test_controls_fall_below_the_bound(recall, method, monkeypatch):
+    if method == "random":
+        g = torch.Generator().manual_seed(0)
 
-    def inverted(query, meta, num_pages, page_valid=None, backend=None):
-        s = -real(query, meta, num_pages, page_valid).clamp(-1e30, 1e30)
-        s[:, num_pages - 1] = float("inf")  # keep the page being filled
-        return s
+        def random_scores(self, query, meta, num_pages, page_valid, scaling):
+            scores = torch.rand(query.shape[0], num_pages, generator=g)
+            return scores if page_valid is None else scores.masked_fill(~page_valid, float("-inf"))
 
-    monkeypatch.setattr(kernels, "score_pages", inverted)
-    cache = FlexiCache(model.config, FlexiCacheConfig(token_budget=1024), _profile(model.config))
-    assert _teacher_forced_agreement(model, ids, forced, cache) < 0.8
+        monkeypatch.setattr(PageSelector, "page_scores", random_scores)
+    assert _agreement(recall, _cache(recall[0], method)) < BOUND
