@@ -13,9 +13,10 @@ number of pages per head; only *which* pages differ:
 
 Measured here (2026-11-30, this file's settings): flexicache 0.875, quest (every head every step)
 0.875, no-rerank 0.625, recency 0.484, random 0.484 (dense recalls the passage's tokens with 0.84
-accuracy). The bound sits between the best control and flexicache. On continuation (no recall) the
-controls reach 0.85-0.87 at this budget, and with the passage 1,024 tokens back no-rerank still
-reaches 0.81: only a far passage separates them (measured the same way).
+accuracy). The bound sits between the best control and flexicache. Why this task: on plain
+continuation broken selections score 0.85-0.87 at a quarter of the prompt (issue 14's review), and
+with the passage only 1,024 tokens back no-rerank still reached 0.81 here (flexicache 0.84); a
+far passage is what only re-ranking recovers.
 """
 
 import pytest
