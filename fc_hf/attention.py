@@ -46,6 +46,10 @@ def flexicache_attention_forward(
             scaling = getattr(module, "scaling", query.shape[-1] ** -0.5)
         out = key.fc_layer.attend(query, attention_mask, scaling, kwargs.get("softcap"))
         return out, None
+    observer = getattr(key, "fc_observe", None)  # profile="auto" with zero warm-up: trace the prompt's last queries
+    if observer is not None:
+        observer.observe_prefill(query, attention_mask, scaling if scaling is not None else getattr(
+            module, "scaling", query.shape[-1] ** -0.5))
     if kwargs.get("softcap") is not None:  # sdpa refuses logit soft-capping (Gemma2)
         return _dense_softcap_attention(module, query, key, value, attention_mask, scaling, kwargs["softcap"]), None
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)

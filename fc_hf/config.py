@@ -19,7 +19,8 @@ class FlexiCacheConfig:
         rerank_interval (`int`, *optional*, defaults to 16): stable heads are re-ranked at the first
             decode step and whenever `step % rerank_interval == 0`.
         unstable_fraction (`float`, *optional*, defaults to 0.25): share of KV heads a profile marks
-            unstable; informational when a profile is given (the profile's set is used as is).
+            unstable; informational when a profile is given (the profile's set is used as is); with
+            `profile="auto"` the share the online classification marks unstable.
         offload (`bool`, *optional*, defaults to True): keep only the top-K pages of stable heads on the
             device and every full page in host memory. False keeps everything on the device (one tier).
         dense_layers (`tuple[int, ...]`, *optional*, defaults to ()): layers kept dense (Quest keeps 0 and 1).
@@ -49,6 +50,9 @@ class FlexiCacheConfig:
         tail_estimate (`bool`, *optional*, defaults to False): keep each unselected full page in the softmax as
             one term from its mean key and mean value (per-page means kept beside MinMax).
         backend (`str`, *optional*): "torch" or "triton" forces a kernel backend; None picks by device.
+        warmup_steps (`int`, *optional*, defaults to 32): `profile="auto"` only: decode steps every head is
+            unstable while the cache records their selections, before it classifies them (a multiple of
+            `rerank_interval`); 0 classifies before the first decode step from the prompt's last queries.
     """
 
     page_size: int = 16
@@ -70,6 +74,7 @@ class FlexiCacheConfig:
     tail_estimate: bool = False
     refine_pages: int = 0
     backend: str | None = None
+    warmup_steps: int = 32
 
     def __post_init__(self):
         def positive_int(name, value):
@@ -90,6 +95,8 @@ class FlexiCacheConfig:
                 f"FlexiCacheConfig.token_budget ({self.token_budget}) must cover at least 2 pages of "
                 f"{self.page_size} tokens (the page being filled plus one ranked page); use >= {2 * self.page_size}."
             )
+        if isinstance(self.warmup_steps, bool) or not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
+            raise ValueError(f"FlexiCacheConfig.warmup_steps must be an integer >= 0, got {self.warmup_steps!r}.")
         if not (0.0 <= float(self.unstable_fraction) <= 1.0):
             raise ValueError(f"FlexiCacheConfig.unstable_fraction must lie in [0, 1], got {self.unstable_fraction!r}.")
         if self.promotion not in PROMOTION_MODES:

@@ -69,17 +69,20 @@ class FlexiCacheLayer(CacheLayerMixin):
         self.num_kv_heads = num_kv_heads
         self.cfg = cfg
         self.owner = owner  # the FlexiCache: decode-step counter, padding-mask cache, timings
-        kinds = {
-            STREAMING: sorted(streaming),
-            UNSTABLE: sorted(unstable - streaming),
-            STABLE: sorted(set(range(num_kv_heads)) - unstable - streaming),
-        }
-        self.groups = [
-            HeadGroup(kind, heads, cfg, owner.timings, owner.workspace) for kind, heads in kinds.items() if heads
-        ]
+        self.groups = self._make_groups(unstable, streaming)
         self.length = 0
         self.steps = 0  # decode steps seen by this layer
         self.pending = False  # a placeholder was handed out and not yet consumed by the attention function
+        self.regrouped_after_step: int | None = None  # profile="auto": the step after which the heads were re-split
+
+    def _make_groups(self, unstable: set[int], streaming: set[int]) -> list[HeadGroup]:
+        kinds = {
+            STREAMING: sorted(streaming),
+            UNSTABLE: sorted(unstable - streaming),
+            STABLE: sorted(set(range(self.num_kv_heads)) - unstable - streaming),
+        }
+        owner = self.owner
+        return [HeadGroup(kind, heads, self.cfg, owner.timings, owner.workspace) for kind, heads in kinds.items() if heads]
 
     # -- transformers CacheLayerMixin ------------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -115,11 +118,21 @@ class FlexiCacheLayer(CacheLayerMixin):
                 "which does so. This also happens with use_cache=False, assisted decoding and chunked prefill, "
                 "which FlexiCache does not support. Nothing was written."
             )
+        auto = self.owner.auto
+        if auto is not None and self.length > 0 and self.regrouped_after_step is None and self.steps == auto.boundary:
+            found = auto.decide(self.steps)  # the first layer classifies; None: postponed
+            if found is not None:
+                self.regroup(auto.unstable_in(self.layer_idx))
         for group in self.groups:
             idx = group.head_index
             group.store.append(key_states.index_select(1, idx), value_states.index_select(1, idx))
         self.length += t
         if t > 1 or self.length == 1:
+            if auto is not None and auto.observing and t > 1:
+                # Zero warm-up: the attention function finds this layer on the keys and traces the prompt's
+                # last queries (`observe_prefill`); a view, so the model's own tensor is left untouched.
+                key_states = key_states.view_as(key_states)
+                key_states.fc_observe = self
             return key_states, value_states  # prefill: dense attention over exactly these
         self.steps += 1
         self.pending = True
@@ -180,6 +193,8 @@ class FlexiCacheLayer(CacheLayerMixin):
             indices = indices.nonzero().flatten()
         for group in self.groups:
             group.select_rows(indices)
+        if self.owner.auto is not None:
+            self.owner.auto.select_rows(self.layer_idx, indices)
         self.batch = int(indices.numel())
 
     # -- decode attention ------------------------------------------------------------------------
@@ -203,7 +218,44 @@ class FlexiCacheLayer(CacheLayerMixin):
                 page_valid = page_valid_full[:, None, :].expand(b, hg, -1).reshape(b * hg, -1)
             og = group.attend(qg, self.steps, token_valid, page_valid, scaling, softcap, check)
             out.index_copy_(1, group.head_index, og.view(b, hg, groups, self.value_dim))
+        auto = self.owner.auto
+        if auto is not None and self.regrouped_after_step is None:  # warm-up: one group, every head unstable
+            warm = self.groups[0]
+            auto.record_step(self.layer_idx, self.steps, warm.sel, warm.store.num_pages, page_valid_full, b)
         return out.view(b, hq, self.value_dim).unsqueeze(1)
+
+    # -- profile="auto" (online.py) -----------------------------------------------------------------
+    def observe_prefill(self, query: torch.Tensor, attention_mask, scaling: float) -> None:
+        """Zero warm-up: hand the prefill queries `[B, Hq, T, D]` to the online classifier."""
+        _, page_valid = self.owner.padding_info(attention_mask, self.length, self.cfg.page_size)
+        self.owner.auto.observe_prefill(self.layer_idx, query, self.groups[0].store, page_valid, scaling)
+
+    def regroup(self, unstable: set[int]) -> None:
+        """Re-split the heads into the groups a cache built with `unstable` would have, keeping every token.
+
+        Each new group's store receives its heads' K/V (MinMax entries and, for stable heads, the host
+        tier written as a prefill writes them) and takes its heads' last selection as its own, moving
+        tiers as that ranking would have (stable heads keep only it on the device).
+        """
+        old = self.groups
+        if len(old) != 1:
+            raise FlexiCacheError("FlexiCache bug: profile='auto' re-splits a layer whose heads form one warm-up group.")
+        warm = old[0]
+        self.owner.auto.warmup_rankings += warm.rankings
+        self.regrouped_after_step = self.steps
+        if not self.is_initialized:
+            self.groups = self._make_groups(unstable, set())
+            return
+        k, v = self.dense_kv()
+        self.groups = self._make_groups(unstable, set())
+        sel = None if warm.sel is None else warm.sel.view(self.batch, self.num_kv_heads, -1)
+        for group in self.groups:
+            group.init_store(self.batch, self.head_dim, self.value_dim, self.dtype, self.device)
+            idx = group.head_index
+            group.store.append(k.index_select(1, idx), v.index_select(1, idx))
+            if sel is not None:
+                group.adopt_selection(sel.index_select(1, idx).reshape(-1, sel.shape[-1]), warm.pages_at_rank)
+        warm.store = None
 
     # -- accounting ------------------------------------------------------------------------------
     def stores(self):

@@ -29,21 +29,25 @@ class FlexiCacheTextGenerationPipeline(TextGenerationPipeline):
 
     Args:
         cache_config (`FlexiCacheConfig`, *optional*): settings of every cache; defaults to `FlexiCacheConfig()`.
-        profile (`HeadProfile`, *optional*): unstable heads; None treats every head as unstable (Quest).
+        profile (`HeadProfile` or `"auto"`, *optional*): unstable heads; None treats every head as unstable (Quest);
+            "auto" classifies them online in every call (see `FlexiCache`).
         *args, **kwargs: as for `TextGenerationPipeline`.
 
     After a call, `last_stats` and `last_memory_report` hold that call's `FlexiCache.stats()` and
     `memory_report()`; the cache itself is not kept, so its memory is freed with the call.
     """
 
-    def __init__(self, *args, cache_config: FlexiCacheConfig | None = None, profile: HeadProfile | None = None, **kwargs):
+    def __init__(self, *args, cache_config: FlexiCacheConfig | None = None, profile: HeadProfile | str | None = None,
+                 **kwargs):
         super().__init__(*args, **kwargs)
         if cache_config is not None and not isinstance(cache_config, FlexiCacheConfig):
             raise TypeError(f"cache_config must be a FlexiCacheConfig, got {type(cache_config).__name__}.")
         self.cache_config = cache_config or FlexiCacheConfig()
         self.profile = profile
-        if profile is not None:
+        if isinstance(profile, HeadProfile):
             profile.check(self.model.config)  # fail at construction, not at the first call
+        elif profile is not None:
+            FlexiCache(self.model.config, self.cache_config, profile)  # "auto" with fitting settings, or raise now
         impl = getattr(self.model.config, "_attn_implementation", None)
         if impl != NAME:
             raise ValueError(
@@ -98,7 +102,7 @@ def flexicache_pipeline(
             manage, and any other cache, still use sdpa).
         tokenizer (`str | PreTrainedTokenizerBase`, *optional*): defaults to the model's own.
         cache_config (`FlexiCacheConfig`, *optional*): settings of every cache.
-        profile (`HeadProfile | str`, *optional*): a profile, or a path/bundled name for `HeadProfile.load`.
+        profile (`HeadProfile | str`, *optional*): a profile, a path/bundled name for `HeadProfile.load`, or "auto".
         model_kwargs (`dict`, *optional*): extra `from_pretrained` arguments when `model` is a path
             (e.g. `{"dtype": torch.bfloat16, "device_map": "auto"}`).
         **pipeline_kwargs: passed to `transformers.pipeline` (e.g. `device`, `batch_size`, generation defaults).
@@ -120,7 +124,7 @@ def flexicache_pipeline(
         if tokenizer is None:
             tokenizer = str(model)
         model = AutoModelForCausalLM.from_pretrained(model, attn_implementation=NAME, **(model_kwargs or {}))
-    if isinstance(profile, str) or hasattr(profile, "__fspath__"):
+    if (isinstance(profile, str) and profile != "auto") or hasattr(profile, "__fspath__"):
         profile = HeadProfile.load(profile, model.config)
     return pipeline(
         "text-generation",
