@@ -171,11 +171,11 @@ def test_score_pages_strided_query_and_meta(device):
 
 def test_score_pages_rejects_bad_shapes():
     q = torch.zeros(2, 2, 8)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"meta must be \[N=2, Pcap, 2D=16\], got \(2, 4, 8\)"):
         score_pages_triton(q, torch.zeros(2, 4, 8), 3)  # meta last dim must be 2D
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"num_pages=5 outside \[1, 4\]"):
         score_pages_triton(q, torch.zeros(2, 4, 16), 5)  # num_pages > capacity
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="page_valid must be bool"):
         score_pages_triton(q, torch.zeros(2, 4, 16), 3, torch.ones(2, 3, dtype=torch.uint8))
 
 
@@ -359,11 +359,11 @@ def test_sparse_decode_strided_pools(device):
 def test_sparse_decode_rejects_bad_inputs():
     case = DecodeCase(1, 1, 2, 64, 16, 20, 2, torch.float32, False)
     args = list(case.args("cpu"))
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="slots/page_idx must both be"):
         sparse_decode_attention_triton(args[0], args[1], args[2], args[3][:, :1], *args[4:])  # slots/page_idx mismatch
-    with pytest.raises(TypeError):
+    with pytest.raises(TypeError, match="slots and page_idx must be int32 or int64"):
         sparse_decode_attention_triton(args[0], args[1], args[2], args[3].float(), args[4].float(), *args[5:])
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="do not match head_dim 32"):
         sparse_decode_attention_triton(args[0][:, :, :32], *args[1:])  # head_dim mismatch
 
 

@@ -58,7 +58,7 @@ def test_each_layer_initialises_on_its_keys_device():
 
 def test_accelerate_dispatch_hooks_leave_the_cache_alone():
     """With accelerate's per-module hooks (what device_map installs), generate still matches dense: the hooks
-    must not try to move the FlexiCache, and each layer ends up on its module's device."""
+    must not try to move the FlexiCache. (Where each layer lands is tested with a real split below.)"""
     from accelerate import dispatch_model
 
     model = tiny_model("llama", layers=2)
@@ -74,6 +74,43 @@ def test_accelerate_dispatch_hooks_leave_the_cache_alone():
     assert torch.equal(out, ref)
     for layer in cache.layers:
         assert_layer_on(layer, "cpu")
+
+
+def test_accelerate_hooks_split_over_cpu_and_meta():
+    """Layer 0 runs on the CPU, layer 1 (and the head) on 'meta', each behind accelerate's AlignDevicesHook
+    (what device_map installs per module; dispatch_model itself would treat 'cpu' as offload): each layer's
+    tiers land on its module's device, and the CPU layer holds exactly what a run without hooks holds."""
+    from accelerate.hooks import AlignDevicesHook, add_hook_to_module
+
+    def build():
+        return tiny_model("llama", layers=2, tie_word_embeddings=False)
+
+    profile = lambda config: HeadProfile.from_unstable(config, [(0, 1), (1, 0), (1, 1)])  # noqa: E731 (layer 0 tiered)
+    ids = torch.randint(1, 97, (2, 27), generator=torch.Generator().manual_seed(0))
+
+    def decode(model, cache):
+        model(input_ids=ids, past_key_values=cache, use_cache=True)
+        for t in range(6):
+            model(input_ids=ids[:, t : t + 1], past_key_values=cache, use_cache=True)
+        return cache
+
+    model = build()
+    ref = decode(model, FlexiCache(model.config, CFG, profile(model.config)))
+    model = build()  # the same weights (same seed)
+    placement = {model.model.embed_tokens: "cpu", model.model.rotary_emb: "cpu", model.model.layers[0]: "cpu",
+                 model.model.layers[1]: "meta", model.model.norm: "meta", model.lm_head: "meta"}
+    for module, device in placement.items():
+        module.to(device)
+        add_hook_to_module(module, AlignDevicesHook(execution_device=torch.device(device), io_same_device=False))
+    cache = FlexiCache(model.config, CFG, profile(model.config))
+    cache.check_residency = False  # reading a 'meta' tensor's values (the residency check does) is impossible
+    decode(model, cache)
+    assert_layer_on(cache.layers[0], "cpu")
+    assert_layer_on(cache.layers[1], "meta")
+    assert cache.stats()["decode_steps"] == 6 and cache.stats()["reranks_stable"] > 0
+    k, v = cache.layers[0].dense_kv()
+    k_ref, v_ref = ref.layers[0].dense_kv()
+    assert torch.equal(k, k_ref) and torch.equal(v, v_ref)
 
 
 @pytest.mark.cuda

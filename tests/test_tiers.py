@@ -8,6 +8,7 @@ from conftest import left_padded_batch, tiny_model
 from robustness_helpers import RecordingCache
 
 from fc_hf import FlexiCache, FlexiCacheConfig, HeadProfile
+from fc_hf.transfer import PageTransfers
 
 CFG = dict(page_size=4, token_budget=16, rerank_interval=5)
 
@@ -86,11 +87,24 @@ def test_slots_bounded_and_promotions_allocate_nothing(promotion):
         assert store.slots_in_use() <= store.rows * (k + extra + 1)
         sizes.append(store.k_pool.shape[0])
 
-    _forced_decode(model, cache, ids, mask, forced, check)
+    copied = {"pages": 0, "bytes": 0}
+    real_promote = PageTransfers.promote
+
+    def counting(self, k_pool, v_pool, dst_slots, host_k, host_v, host_index):
+        # Counted at the copy itself, independently of the store's counters: rows moved, bytes of those rows.
+        rows_k, rows_v = host_k.index_select(0, host_index), host_v.index_select(0, host_index)
+        copied["pages"] += host_index.numel()
+        copied["bytes"] += rows_k.numel() * rows_k.element_size() + rows_v.numel() * rows_v.element_size()
+        return real_promote(self, k_pool, v_pool, dst_slots, host_k, host_v, host_index)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(PageTransfers, "promote", counting)
+        _forced_decode(model, cache, ids, mask, forced, check)
     assert len(set(sizes)) == 1  # the pool never grew: promotions and new pages reuse freed slots
     st = cache.stats()
-    assert st["pages_promoted"] > 0
-    assert st["bytes_promoted"] == st["pages_promoted"] * cache.layers[0].groups[0].store.page_bytes  # exactly the promoted pages moved
+    assert st["pages_promoted"] == copied["pages"] > 0
+    page_bytes = cfg.page_size * 2 * model.config.head_dim * 4  # K and V of one page, fp32
+    assert st["bytes_promoted"] == copied["bytes"] == copied["pages"] * page_bytes
 
 
 def test_deferred_promotion_keeps_everything():
