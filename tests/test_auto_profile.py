@@ -357,3 +357,17 @@ def test_pipeline_takes_auto(tmp_path):
     assert pipe.last_stats["auto_profile"]["classified_after_step"] == 4
     with pytest.raises(ValueError, match="multiple of rerank_interval"):
         flexicache_pipeline(str(tmp_path / "m"), cache_config=FlexiCacheConfig(warmup_steps=10), profile="auto")
+
+
+def test_zero_warmup_without_an_observation_falls_back_to_a_warmup(no_grad):
+    """Fed straight into the cache (no attention function sees the prefill queries), `warmup_steps=0` has
+    nothing to classify before step 1 and falls back to a 32-step warm-up."""
+    stream = Stream(planted=PLANTED, steps=33)
+    auto = FlexiCache(stream.config, FlexiCacheConfig(page_size=4, token_budget=32, rerank_interval=4,
+                                                      warmup_steps=0), "auto")
+    stream.run_prefill(auto)
+    for step in range(1, 34):
+        stream.run_step(step, auto)
+    stats = auto.stats()["auto_profile"]
+    assert stats["postponed_at_steps"] == [0] and stats["classified_after_step"] == 32
+    assert not stats["observed_prefill"] and auto.profile_found().unstable == set(PLANTED)
