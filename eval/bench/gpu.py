@@ -6,8 +6,12 @@ byte per layer are the real model's, and the whole run fits the lease), bf16, Tr
 dispatcher picks them on CUDA). Contexts 10k-32k, batch up to 40.
 
 Stages, each guarded so a failure or an out-of-memory case is recorded and the run goes on:
-1. sanity: with a budget larger than the context every page is selected, so FlexiCache's logits must
-   match dense attention's (bf16 tolerance) - checks the Triton path before timing it;
+1. sanity (`sanity`): FlexiCache on the GPU (Triton kernels, side-stream tier copies) against the CPU
+   reference, fp32 on both sides, same weights (2 layers of the Llama-8B attention shape), same
+   prompt K/V, same teacher-forced tokens: at a full budget against dense attention on the CPU, at a
+   low budget (re-ranks and promotions every 4 steps, sync and deferred) against FlexiCache on the
+   CPU. Every step's logits must agree to `SANITY_RTOL`; if not, the run still times the grid but
+   exits with status 1 (and says so last);
 2. decode: per (context, batch) the methods in turn, `--steps` timed steps each (CUDA-synchronised
    wall clock per step), peak GPU memory over the model, `memory_report()` bytes per tier, and the
    per-phase breakdown from `enable_timing()` (which synchronises; it costs a little);
@@ -52,36 +56,86 @@ def llama8b_config(layers: int, max_positions: int):
     )
 
 
-def sanity(model, config, dtype, device) -> dict:
-    """FlexiCache with every page selected must give dense attention's logits (bf16 tolerance)."""
+SANITY_RTOL = 1e-3  # max |logit difference| <= SANITY_RTOL * max(1, max |logit|); fp32 on both sides
+SANITY_CASES = (  # (name, FlexiCacheConfig fields, the CPU reference's method)
+    ("full", dict(token_budget=2048), "dense"),
+    ("low", dict(token_budget=256), "flexicache"),
+    ("low-deferred", dict(token_budget=256, promotion="deferred"), "flexicache"),
+)
+
+
+def sanity_config(layers: int = 2):
+    """A small model with Llama-3.1-8B's attention shape (32 query / 8 KV heads of 128) for the sanity check."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=1024, hidden_size=4096, intermediate_size=1024, num_hidden_layers=layers, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=128, max_position_embeddings=4096, tie_word_embeddings=False,
+    )
+
+
+def _forced_logits(model, method, cfg, profile, prompt_kv, tokens, device):
+    """Load `prompt_kv` as a prefill would, teacher-force `tokens [B, T]`; returns (`[B, T, V]` fp32 logits on the CPU, stats)."""
     import torch
 
     from fc_hf.compat import cache_kwarg
 
     from ..methods import make_cache, prepare_model
-    from .common import ingest_random_kv, spread_profile
 
-    profile = spread_profile(config)
-    kwarg = cache_kwarg(model)
-    logits = {}
-    length, steps = 512, 20
-    for method in ("dense", "flexicache"):
-        prepare_model(model, method)
-        cache = make_cache(method, config, 1024, profile, dense_cache=True)
-        with torch.no_grad():
-            ingest_random_kv(cache, config, 2, length, dtype=dtype, device=device)
-            token = torch.full((2, 1), 7, device=device)
-            outs = []
-            for i in range(steps):
-                out = model(input_ids=token, use_cache=True, cache_position=torch.tensor([length + i], device=device),
-                            logits_to_keep=1, **{kwarg: cache})
-                outs.append(out.logits[:, -1].float())
-                token = torch.full((2, 1), 7 + i, device=device)  # teacher-forced: same tokens for both
-        logits[method] = torch.stack(outs)
-        del cache
-    err = (logits["dense"] - logits["flexicache"]).abs().max().item()
-    scale = logits["dense"].abs().max().item()
-    return {"max_abs_logit_diff": err, "max_abs_logit": scale, "ok": err <= 0.05 * max(1.0, scale)}
+    prepare_model(model, method)
+    cache = make_cache(method, model, cfg.token_budget, profile, base=cfg, dense_cache=True)
+    length = prompt_kv[0][0].shape[2]
+    logits = []
+    with torch.no_grad():
+        for layer, (k, v) in enumerate(prompt_kv):
+            cache.update(k.to(device), v.to(device), layer)
+        for i in range(tokens.shape[1]):
+            out = model(input_ids=tokens[:, i : i + 1].to(device), use_cache=True, logits_to_keep=1,
+                        cache_position=torch.tensor([length + i], device=device), **{cache_kwarg(model): cache})
+            logits.append(out.logits[:, -1].float().cpu())
+    stats = cache.stats() if hasattr(cache, "stats") else {}
+    return torch.stack(logits, 1), stats
+
+
+def sanity(device, config=None, length: int = 1536, steps: int = 24, batch: int = 2, rtol: float = SANITY_RTOL) -> dict:
+    """FlexiCache on `device` against the CPU reference (see the module docstring); `ok` is False on any step over `rtol`.
+
+    Returns a dict with one entry per case of `SANITY_CASES` (max difference, the first step over the
+    tolerance, pages promoted on the device) and `ok` for all of them; the low-budget cases must also
+    have promoted pages, or they would not have exercised the tier copies.
+    """
+    import copy
+
+    import torch
+
+    from fc_hf import FlexiCacheConfig
+    from fc_hf.profile import attention_shape
+
+    from .common import build_model, spread_profile
+
+    config = config or sanity_config()
+    reference = build_model(config, dtype=torch.float32, device="cpu")
+    model = copy.deepcopy(reference).to(device)
+    profile = spread_profile(config, 0.25)
+    layers, kv_heads, head_dim = attention_shape(config)
+    g = torch.Generator().manual_seed(1)
+    prompt_kv = [tuple(torch.randn(batch, kv_heads, length, head_dim, generator=g) for _ in range(2)) for _ in range(layers)]
+    tokens = torch.randint(1, config.vocab_size, (batch, steps), generator=g)
+    result = {"rtol": rtol, "length": length, "steps": steps, "batch": batch}
+    for name, fields, reference_method in SANITY_CASES:
+        cfg = FlexiCacheConfig(page_size=16, rerank_interval=4, **fields)
+        want, _ = _forced_logits(reference, reference_method, cfg, profile, prompt_kv, tokens, "cpu")
+        got, stats = _forced_logits(model, "flexicache", cfg, profile, prompt_kv, tokens, device)
+        scale = max(1.0, want.abs().max().item())
+        per_step = (got - want).abs().amax(dim=(0, 2))  # [T]
+        over = (~(per_step <= rtol * scale)).nonzero()  # NaN counts as over
+        case = {"reference": f"{reference_method} (cpu)", "max_abs_logit_diff": per_step.max().item(),
+                "max_abs_logit": want.abs().max().item(), "first_bad_step": int(over[0]) + 1 if over.numel() else None,
+                "pages_promoted": stats.get("pages_promoted", 0)}
+        case["ok"] = case["first_bad_step"] is None and (name == "full" or case["pages_promoted"] > 0)
+        result[name] = case
+    result["ok"] = all(result[name]["ok"] for name, _, _ in SANITY_CASES)
+    return result
 
 
 def _table(results: list[dict]) -> str:
@@ -137,9 +191,9 @@ def main(argv: list[str] | None = None) -> int:
               "profile": f"spread {len(profile.unstable)}/{args.layers * 8} heads",
               "backend": os.environ.get("FLEXICACHE_BACKEND", "auto"), "results": []}
     try:
-        record["sanity"] = sanity(model, config, dtype, device)
-    except Exception as e:  # keep going: the timing is still worth having
-        record["sanity"] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc(limit=5)}
+        record["sanity"] = sanity(device)
+    except Exception as e:  # keep going: the timing is still worth having (the exit status reports it)
+        record["sanity"] = {"ok": False, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc(limit=5)}
     print(f"sanity: {record['sanity']}", flush=True)
     write_json(out / "gpu_bench.json", record)
 
@@ -173,6 +227,10 @@ def main(argv: list[str] | None = None) -> int:
           f"{record['env'].get('gpu')}, {record['profile']}, sanity ok={record['sanity'].get('ok')}")
     print(_table(record["results"]))
     print(json.dumps({"total_s": round(record["total_s"], 1)}))
+    if not record["sanity"].get("ok"):
+        print(f"SANITY CHECK FAILED: FlexiCache on {device} does not match the CPU reference (rtol {SANITY_RTOL}); "
+              f"see 'sanity' in {out / 'gpu_bench.json'}", file=sys.stderr)
+        return 1
     return 0
 
 

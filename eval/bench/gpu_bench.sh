@@ -3,6 +3,7 @@
 # Runs from the repository root without installing anything: builds an import tree in which
 # fc_hf.kernels and fc_hf.eval point at the top-level kernels/ and eval/ folders (as pyproject.toml
 # maps them), then runs the benchmark. Results: $OUT/gpu_bench.json; the table is printed last.
+# Exit status 1 when the sanity check (GPU against the CPU reference, eval/bench/gpu.py) fails.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 OUT="${OUT:-$ROOT/results/gpu}"

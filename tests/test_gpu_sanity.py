@@ -1,0 +1,69 @@
+"""The GPU script's sanity check (eval/bench/gpu.py) can fail, and failing it fails the run (issue 14, item 6).
+
+On a CPU the "device" side is the CPU too, so the real check passes trivially; the tests below show
+that a device-side difference just over the tolerance is caught at every budget, that an attention
+slightly off is caught against dense at the full budget, and that `main` then exits with status 1.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import tiny_config
+
+import fc_hf.kernels as kernels
+from fc_hf.eval.bench import gpu as bench_gpu
+
+SMALL = dict(length=600, steps=9, batch=2)  # 38 pages: the 256-token budget (16 pages) has to choose
+
+
+def _config():
+    return tiny_config("llama", layers=2, heads=4, kv_heads=2, head_dim=16, tie_word_embeddings=False)
+
+
+def test_sanity_passes_against_the_cpu_reference():
+    result = bench_gpu.sanity("cpu", config=_config(), **SMALL)
+    assert result["ok"], result
+    assert result["full"]["max_abs_logit_diff"] < 1e-5  # FlexiCache (every page) against dense attention
+    assert result["low"]["max_abs_logit_diff"] == result["low-deferred"]["max_abs_logit_diff"] == 0.0  # CPU vs CPU
+    assert result["low"]["pages_promoted"] > 0 and result["low-deferred"]["pages_promoted"] > 0
+
+
+@pytest.mark.parametrize("case", [name for name, _, _ in bench_gpu.SANITY_CASES])
+def test_device_side_difference_over_the_tolerance_fails(monkeypatch, case):
+    """Mutant: the device side's logits differ by twice the tolerance at one step of one case."""
+    real = bench_gpu._forced_logits
+    calls = []
+
+    def device_off(model, method, cfg, profile, prompt_kv, tokens, device):
+        logits, stats = real(model, method, cfg, profile, prompt_kv, tokens, device)
+        name = bench_gpu.SANITY_CASES[len(calls) // 2][0]  # each case: the reference, then the device side
+        calls.append(cfg)
+        if len(calls) % 2 == 0 and name == case:
+            logits[0, 4, 0] += 2 * bench_gpu.SANITY_RTOL * max(1.0, logits.abs().max().item())
+        return logits, stats
+
+    monkeypatch.setattr(bench_gpu, "_forced_logits", device_off)
+    result = bench_gpu.sanity("cpu", config=_config(), **SMALL)
+    assert not result["ok"] and not result[case]["ok"] and result[case]["first_bad_step"] == 5
+    assert all(result[name]["ok"] for name, _, _ in bench_gpu.SANITY_CASES if name != case)
+
+
+def test_attention_slightly_off_fails_against_dense(monkeypatch):
+    """Mutant: sparse attention 1% off everywhere; the full-budget case compares with dense and fails."""
+    real = kernels.sparse_decode_attention
+    monkeypatch.setattr(kernels, "sparse_decode_attention", lambda *a, **k: real(*a, **k) * 1.01)
+    result = bench_gpu.sanity("cpu", config=_config(), **SMALL)
+    assert not result["ok"] and not result["full"]["ok"]
+
+
+def test_failed_sanity_fails_the_run(monkeypatch, tmp_path):
+    import fc_hf.eval.bench.common as common
+
+    monkeypatch.setattr(bench_gpu, "llama8b_config", lambda layers, max_positions: _config())
+    monkeypatch.setattr(common, "build_model", lambda config, dtype=None, device="cpu", seed=0: None)
+    monkeypatch.setattr(bench_gpu, "sanity", lambda device: {"ok": False, "full": {"max_abs_logit_diff": 1.0}})
+    args = ["--device", "cpu", "--quick", "--layers", "2", "--deadline-s", "0", "--out", str(tmp_path)]
+    assert bench_gpu.main(args) == 1
+    monkeypatch.setattr(bench_gpu, "sanity", lambda device: {"ok": True})
+    assert bench_gpu.main(args) == 0
