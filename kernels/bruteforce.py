@@ -155,6 +155,30 @@ def _page_masses(queries: list, keys: list, valid: list, page_size: int, scaling
     return out
 
 
+def refine_scores_bruteforce(
+    query: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, scores: list[float], candidates: int, page_size: int,
+    scaling: float,
+) -> list[float]:
+    """`refine_pages`: the top-`candidates` pages by `scores` re-scored by their exact attention mass.
+
+    The mass of a candidate page is, averaged over the query heads, the share of the softmax (of
+    scaling * q.k over the attendable tokens of the candidate pages only) that falls on its tokens.
+    Forced pages (+inf) stay +inf and pages without an attendable token -inf; pages that are not
+    candidates score -inf (the selection is the top K of the result).
+    """
+    order = sorted(range(len(scores)), key=lambda i: scores[i], reverse=True)[:candidates]
+    flags = valid.tolist()
+    token_ok = [flags[i] and (i // page_size) in order for i in range(len(flags))]
+    masses = _page_masses(query.tolist(), keys.tolist(), token_ok, page_size, scaling)
+    out = [NEG_INF] * len(scores)
+    for page in order:
+        if math.isinf(scores[page]):
+            out[page] = scores[page]
+        else:
+            out[page] = sum(m[page] for m in masses) / len(masses)
+    return out
+
+
 def top_scores_bruteforce(scores: list[float], k: int) -> list[float]:
     """The `k` largest scores, descending (the selection's scores; which of several tied pages is taken is free)."""
     return sorted(scores, reverse=True)[:k]

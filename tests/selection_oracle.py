@@ -8,8 +8,8 @@ may reorder the batch (beam search). It raises `AssertionError` at the first dif
 - the selection: at every step a head group is due (stable: step 1 and every `rerank_interval`;
   unstable: every `unstable_rerank_interval`; streaming: never) it must rank, and only then; its
   ranking must pick pages whose brute-force scores (`kernels.bruteforce.page_scores_bruteforce`,
-  recomputed from the recorded keys, queries and padding) are the top K (compared as score sets,
-  so exact ties may go either way);
+  then `refine_scores_bruteforce` with `refine_pages`, recomputed from the recorded keys, queries
+  and padding) are the top K (compared as score sets, so exact ties may go either way);
 - what is read: at a ranking, the new selection (with `promotion="deferred"`, a tiered group's
   later rankings take effect one step late); between rankings, the last selection plus every page
   created since; streaming heads, the sink and the most recent pages;
@@ -175,6 +175,9 @@ def _check_group(cache, cfg, group, state, log, layer, step, query, out, valid, 
         for n, (b, h) in enumerate(rows):
             q = query[b, h * ratio : (h + 1) * ratio, 0]
             scores = bruteforce.page_scores_bruteforce(q, keys_all[b, h], valid[b], cfg, scaling, how)
+            if cfg.refine_pages and how != "exact" and len(scores) > k:
+                scores = bruteforce.refine_scores_bruteforce(q, keys_all[b, h], valid[b], scores, cfg.refine_pages, p,
+                                                             scaling)
             assert_top_k(ranked[n], scores, k, f"{where} row {n}")
         new_sel = ranked
     for n, (b, h) in enumerate(rows):

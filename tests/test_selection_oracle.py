@@ -1,8 +1,8 @@
 """The pages FlexiCache chooses, recomputed by brute force at every step (issue 14, item 1).
 
 A property test (hypothesis) draws shapes, padding, beam reorders and every selection option of
-`FlexiCacheConfig` (page_score, score_subpages, sink_pages, recent_pages, streaming heads, both
-re-rank intervals, offload, promotion mode) and runs `selection_oracle.run_case`, which checks the
+`FlexiCacheConfig` (page_score and stable_page_score, score_subpages, refine_pages, sink_pages,
+recent_pages, streaming heads, both re-rank intervals, offload, promotion mode) and runs `selection_oracle.run_case`, which checks the
 ranking, what is read between rankings, the attention output and the MinMax metadata against
 brute force at every step (see tests/selection_oracle.py). Random continuous K/V and queries make
 exact score ties (other than forced and padding pages) a probability-0 event; ties are compared as
@@ -54,15 +54,13 @@ def cases(draw):
         promotion=draw(st.sampled_from(["sync", "deferred"])),
         page_score=draw(st.sampled_from(["quest", "group_mean", "quest", "group_mean", "exact"])),
         stable_page_score="exact" if draw(st.integers(0, 3)) == 0 else None,
+        refine_pages=0 if draw(st.integers(0, 2)) else k + draw(st.integers(1, 4)),
         score_subpages=draw(st.sampled_from([s for s in (1, 2, 4) if page_size % s == 0])),
         sink_pages=sink,
         recent_pages=draw(st.integers(0, min(2, k - 1 - sink))),
         streaming_heads=(draw(st.sampled_from(pairs)),) if draw(st.integers(0, 3)) == 0 else (),
         streaming_sink_pages=draw(st.integers(1, k - 1)),
     )
-    if "exact" in (cfg["page_score"], cfg["stable_page_score"]):
-        # "exact" does not mask padding yet (test_exact_page_mass_masks_padding): unpadded rows only.
-        pads, holes = [0] * batch, [None] * batch
     return dict(
         layers=layers, kv_heads=kv_heads, ratio=draw(st.sampled_from([1, 2, 3])), head_dim=head_dim,
         prompt=prompt, decode=decode, pads=pads, holes=holes, cfg=cfg,
@@ -109,6 +107,7 @@ def test_fixed_case_passes():
     for page_score in ("quest", "group_mean"):
         for promotion in ("sync", "deferred"):
             run_case(_case(page_score=page_score, promotion=promotion, score_subpages=2))
+    run_case(_case(refine_pages=9))
 
 
 @pytest.mark.parametrize("page_score", ["quest", "group_mean"])
@@ -139,24 +138,8 @@ def test_mutant_kmax_kmin_swapped_when_written(monkeypatch):
         run_case(_case())
 
 
-def test_mutant_stale_metadata_after_reorder(monkeypatch):
-    real = PagedKV.select_rows
-
-    def stale(self, batch_index):
-        old = self.meta_t
-        row_map = real(self, batch_index)
-        self.meta_t = old  # the MinMax cache is not reordered with the pages
-        return row_map
-
-    monkeypatch.setattr(PagedKV, "select_rows", stale)
-    with pytest.raises(AssertionError, match="^metadata after the reorder at step 4"):
-        run_case(_case())
-
-
-def test_mutant_stale_metadata_caught_by_selection_alone(monkeypatch):
-    """Without the metadata check, the stale MinMax cache still shows as a wrong selection."""
-    import selection_oracle
-
+def _stale_metadata_after_reorder(monkeypatch):
+    """Mutant: beam reorders move the pages but not the MinMax cache."""
     real = PagedKV.select_rows
 
     def stale(self, batch_index):
@@ -166,6 +149,19 @@ def test_mutant_stale_metadata_caught_by_selection_alone(monkeypatch):
         return row_map
 
     monkeypatch.setattr(PagedKV, "select_rows", stale)
+
+
+def test_mutant_stale_metadata_after_reorder(monkeypatch):
+    _stale_metadata_after_reorder(monkeypatch)
+    with pytest.raises(AssertionError, match="^metadata after the reorder at step 4"):
+        run_case(_case())
+
+
+def test_mutant_stale_metadata_caught_by_selection_alone(monkeypatch):
+    """Without the metadata check, the stale MinMax cache still shows as a wrong selection."""
+    import selection_oracle
+
+    _stale_metadata_after_reorder(monkeypatch)
     monkeypatch.setattr(selection_oracle, "_check_metadata", lambda *a: None)
     with pytest.raises(AssertionError, match="^selection"):
         run_case(_case())
@@ -200,6 +196,13 @@ def test_mutant_one_recent_page_too_many(monkeypatch):
     monkeypatch.setattr(selection, "force_recent_pages", lambda scores, recent: real(scores, recent + 1))
     with pytest.raises(AssertionError, match="^selection"):
         run_case(_case())
+
+
+def test_mutant_refinement_skipped(monkeypatch):
+    """refine_pages set, but the top K of the proposal score are kept as they are."""
+    monkeypatch.setattr(selection.PageSelector, "_refine", lambda self, query, store, scores, *a: self.choose(scores))
+    with pytest.raises(AssertionError, match="^selection"):
+        run_case(_case(refine_pages=9))
 
 
 def test_mutant_stable_heads_forget_pages_created_since_rank(monkeypatch):

@@ -59,13 +59,22 @@ def test_the_fake_defers_until_waited_for():
     assert torch.equal(pool[2], torch.ones(2))
 
 
+def _page0_promoted_back():
+    """A tiered store whose page 0 was dropped and is being promoted back into page 1's slot (copy pending).
+
+    Its pages' offloads are still pending too: nothing has synchronised the host since they were issued.
+    """
+    store, keys = _store(3)
+    move_tiers(store, torch.tensor([[0, 1, 2]]), torch.tensor([[1, 2]]))  # drop page 0 (device slot freed)
+    store.append(torch.randn(1, 1, 1, D), torch.randn(1, 1, 1, D))  # page 3, being filled
+    move_tiers(store, torch.tensor([[1, 2, 3]]), torch.tensor([[0, 2, 3]]))  # promote page 0 into page 1's slot
+    return store, keys
+
+
 def test_promotion_gathers_host_pages_after_their_offload_landed():
     """A page dropped and promoted back before anything synchronised the host must arrive intact."""
     with deferred_transfers():
-        store, keys = _store(3)
-        move_tiers(store, torch.tensor([[0, 1, 2]]), torch.tensor([[1, 2]]))  # drop page 0 (device slot freed)
-        store.append(torch.randn(1, 1, 1, D), torch.randn(1, 1, 1, D))  # page 3, being filled
-        move_tiers(store, torch.tensor([[1, 2, 3]]), torch.tensor([[0, 2, 3]]))  # promote page 0 into page 1's slot
+        store, keys = _page0_promoted_back()
         store.transfers.wait_promotions()
         assert torch.equal(_resident(store, 0), _page(keys, 0))
 
@@ -73,10 +82,7 @@ def test_promotion_gathers_host_pages_after_their_offload_landed():
 def test_pool_growth_waits_for_a_pending_promotion():
     """The pool is copied when it grows: a promotion still in flight must land before the copy."""
     with deferred_transfers():
-        store, keys = _store(3)
-        move_tiers(store, torch.tensor([[0, 1, 2]]), torch.tensor([[1, 2]]))
-        store.append(torch.randn(1, 1, 1, D), torch.randn(1, 1, 1, D))
-        move_tiers(store, torch.tensor([[1, 2, 3]]), torch.tensor([[0, 2, 3]]))  # pending (deferred) copy
+        store, keys = _page0_promoted_back()
         slots = store.k_pool.shape[0]
         store.append(torch.randn(1, 1, 2 * P, D), torch.randn(1, 1, 2 * P, D))  # pages 4, 5: the pool grows
         assert store.k_pool.shape[0] > slots
@@ -87,10 +93,7 @@ def test_pool_growth_waits_for_a_pending_promotion():
 def test_repack_waits_for_a_pending_promotion():
     """A beam reorder repacks the pool: a promotion still in flight must land before the copy."""
     with deferred_transfers():
-        store, keys = _store(3)
-        move_tiers(store, torch.tensor([[0, 1, 2]]), torch.tensor([[1, 2]]))
-        store.append(torch.randn(1, 1, 1, D), torch.randn(1, 1, 1, D))
-        move_tiers(store, torch.tensor([[1, 2, 3]]), torch.tensor([[0, 2, 3]]))
+        store, keys = _page0_promoted_back()
         store.select_rows(torch.tensor([0, 0]))  # beam search duplicates the sequence
         store.transfers.wait_promotions()
         for row in range(2):
@@ -99,10 +102,7 @@ def test_repack_waits_for_a_pending_promotion():
 
 def test_dense_view_waits_for_a_pending_promotion():
     with deferred_transfers():
-        store, keys = _store(3)
-        move_tiers(store, torch.tensor([[0, 1, 2]]), torch.tensor([[1, 2]]))
-        store.append(torch.randn(1, 1, 1, D), torch.randn(1, 1, 1, D))
-        move_tiers(store, torch.tensor([[1, 2, 3]]), torch.tensor([[0, 2, 3]]))
+        store, keys = _page0_promoted_back()
         k, _ = store.dense()
         assert torch.equal(k[0, 0, : 3 * P], keys[0, 0])
 
