@@ -6,10 +6,17 @@ ROUGE (the geometric mean of ROUGE-1, ROUGE-2 and ROUGE-L F-measures). All funct
 one prediction and one reference and return a float in [0, 1]; `best_of` and `LONGBENCH_METRICS`
 do the rest.
 
+L-Eval's closed-ended ("exam") tasks score exact match after the answer is parsed as L-Eval's
+`Evaluation/auto_eval.py` and `em.py` parse it (`score_leval_exam`): option letters for multiple
+choice (a quarter point when a coursera answer picks only some of several correct options), True /
+False for sci_fi, the reference topic inside the answer's first line for topic retrieval.
+
 Where this differs from the official scripts (say so when comparing with published numbers):
 ROUGE uses a lower-cased alphanumeric tokenizer and no stemming, code similarity uses difflib's
 ratio (the official script uses fuzzywuzzy, which is the same measure when python-Levenshtein is
-absent), and the Chinese variants split into characters rather than jieba words.
+absent), and the Chinese variants split into characters rather than jieba words. L-Eval's sci_fi
+score averages "loyalty" (answered from the document) and "fact" (the question asked again without
+the document); only loyalty is scored here, as fact involves no long context.
 """
 
 from __future__ import annotations
@@ -39,6 +46,11 @@ __all__ = [
     "FIRST_LINE_TASKS",
     "score_longbench",
     "score_leval",
+    "LEVAL_CHOICE_TASKS",
+    "leval_reference_letters",
+    "leval_answer_letters",
+    "leval_true_false",
+    "score_leval_exam",
 ]
 
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
@@ -248,3 +260,91 @@ def score_leval(evaluation: str, prediction: str, references: Sequence[str]) -> 
     if kind == "rouge":
         return best_of(leval_rouge, prediction, references)
     raise ValueError(f"L-Eval metric {evaluation!r} is not automatic; only 'f1' and 'rouge' are scored here.")
+
+
+# -- L-Eval's closed-ended ("exam") tasks ------------------------------------------------------------------
+# Multiple-choice tasks -> whether an answer may name several options (coursera: one or more correct).
+LEVAL_CHOICE_TASKS = {"coursera": True, "quality": False, "tpo": False}
+_OPTION_LETTERS = "ABCD"
+_STANDALONE_CAPITAL = re.compile(r"\s*[A-Z](?=[\s.)])")
+_LETTER_RUN = re.compile(f"[{_OPTION_LETTERS}]+")
+
+
+def leval_reference_letters(reference: str) -> str:
+    """The option letters of a multiple-choice reference, taken from its first word ("(B) The ..." -> "B",
+    "ACD" -> "ACD"); "A" when that word has none (L-Eval's rule)."""
+    words = reference.split()
+    return "".join(ch for ch in (words[0] if words else "") if ch in _OPTION_LETTERS) or "A"
+
+
+def leval_answer_letters(response: str, several: bool = False) -> str:
+    """The option letters a model's answer names, parsed as L-Eval parses it ("" for an empty answer).
+
+    One-answer tasks take the first capital A-D anywhere in the answer. Several-answer tasks (and
+    one-answer tasks whose answer has no A-D at all) take a leading run of letters when it has two or
+    more, else that letter plus every capital standing alone (before a space, "." or ")") before any
+    "Question", else the first run of A-D letters; with nothing found L-Eval guesses "A".
+    """
+    if not response.strip():
+        return ""
+    if response in _OPTION_LETTERS:
+        return response
+    if not several:
+        first = next((ch for ch in response if ch in _OPTION_LETTERS), None)
+        if first is not None:
+            return first
+    lead = len(response) - len(response.lstrip(_OPTION_LETTERS))
+    if lead > 1:
+        return "".join(sorted(set(response[:lead])))
+    rest = response[lead:].split("Question")[0]
+    found = response[:lead] + "".join(m.strip() for m in _STANDALONE_CAPITAL.findall(rest))
+    letters = "".join(sorted({ch for ch in found if ch in _OPTION_LETTERS}))
+    if letters:
+        return letters
+    run = _LETTER_RUN.search(rest)
+    return run.group(0) if run else "A"
+
+
+def leval_true_false(text: str) -> str:
+    """"true" / "false" from the first word that contains either (lower-cased), else "<error>"."""
+    for word in text.lower().split():
+        if "true" in word:
+            return "true"
+        if "false" in word:
+            return "false"
+    return "<error>"
+
+
+def _first_real_line(text: str) -> str:
+    """The first line longer than one character (the whole text when there is none)."""
+    return next((line for line in text.split("\n") if len(line) > 1), text)
+
+
+def _leval_exam_one(task: str, prediction: str, reference: str) -> float:
+    if task in LEVAL_CHOICE_TASKS:
+        answer = leval_answer_letters(prediction, several=LEVAL_CHOICE_TASKS[task])
+        gold = leval_reference_letters(reference)
+        if not answer:
+            return 0.0
+        if answer == gold:
+            return 1.0
+        return 0.25 if set(answer) <= set(gold) else 0.0
+    if task == "sci_fi":  # reference "True [fact: False]": the part before "[fact:" is the document's answer
+        gold = reference.lower().split("[fact:")[0].strip()
+        return float(leval_true_false(prediction.split("[fact:")[0]) == gold)
+    if task == "topic_retrieval_longchat":
+        squeeze = lambda t: t.lower().replace(" ", "")  # noqa: E731
+        return float(squeeze(reference) in squeeze(_first_real_line(prediction)))
+    raise KeyError(f"{task!r} is not one of L-Eval's closed-ended tasks scored here")
+
+
+def score_leval_exam(task: str, prediction: str, references: Sequence[str]) -> float:
+    """One closed-ended L-Eval answer's score in [0, 1], the best over `references`.
+
+    Args:
+        task (`str`): "coursera", "quality", "tpo" (multiple choice), "sci_fi" (True/False) or
+            "topic_retrieval_longchat" (name a topic of a long chat).
+        prediction (`str`): the model's answer.
+        references (`list[str]`): the record's output(s) for the question.
+    """
+    return max((_leval_exam_one(task, prediction, ref) for ref in references), default=0.0)

@@ -103,3 +103,30 @@ def test_score_leval_dispatch():
 def test_best_of_empty_references_is_zero():
     assert M.best_of(M.qa_f1, "x", []) == 0.0
     assert not math.isnan(M.best_of(M.rouge_l, "x", ["y"]))
+
+
+@pytest.mark.parametrize("answer,several,expected", [
+    ("B", False, "B"), (" C) because", False, "C"), ("Answer: D", False, "A"),  # L-Eval: first A-D anywhere
+    ("none of them", False, "A"), ("", False, ""), ("AB", True, "AB"), ("DB.", True, "BD"),
+    ("A, C and D", True, "AC"),  # a capital ending the answer does not stand alone (L-Eval's pattern)
+    ("B. pear\nD. cherry\nQuestion 3: A", True, "BD"), ("I think ACD", True, "ACD"),
+])
+def test_leval_answer_letters(answer, several, expected):
+    assert M.leval_answer_letters(answer, several=several) == expected
+
+
+def test_score_leval_exam_rules():
+    assert M.leval_reference_letters("(C) The telephone failed") == "C" and M.leval_reference_letters("ABD") == "ABD"
+    assert M.score_leval_exam("quality", " B", ["(B) Because two grain ships ran aground"]) == 1.0
+    assert M.score_leval_exam("tpo", "C", ["B"]) == 0.0
+    assert M.score_leval_exam("coursera", "AB", ["ABC"]) == 0.25  # some of several correct options
+    assert M.score_leval_exam("coursera", "ABD", ["ABC"]) == 0.0 and M.score_leval_exam("coursera", "CAB", ["ABC"]) == 1.0
+    assert M.score_leval_exam("quality", "   ", ["(A) x"]) == 0.0
+    assert M.score_leval_exam("sci_fi", "False. The story says", ["False [fact: True]"]) == 1.0
+    assert M.score_leval_exam("sci_fi", "It is true", ["False [fact: False]"]) == 0.0
+    assert M.score_leval_exam("sci_fi", "Maybe", ["True [fact: True]"]) == 0.0
+    topic = ["The history of tea"]
+    assert M.score_leval_exam("topic_retrieval_longchat", "\nthe History of Tea.\nthen bread", topic) == 1.0
+    assert M.score_leval_exam("topic_retrieval_longchat", "Bread baking\nThe history of tea", topic) == 0.0  # first line only
+    with pytest.raises(KeyError):
+        M.score_leval_exam("gsm100", "4", ["4"])
