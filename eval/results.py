@@ -80,7 +80,8 @@ class RunDir:
         if not self.predictions_file.exists():
             return []
         rows = []
-        for line in self.predictions_file.read_text(encoding="utf-8").splitlines():
+        # split("\n"), not splitlines(): an answer may hold U+2028 or U+0085, which JSON leaves unescaped.
+        for line in self.predictions_file.read_text(encoding="utf-8").split("\n"):
             if line.strip():
                 try:
                     rows.append(json.loads(line))

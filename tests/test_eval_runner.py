@@ -182,3 +182,9 @@ def test_summary_labels_cache_option_variants_apart():
     assert summary._label(row) == "quest@1024 dense_layers=0:1"
     assert summary._label({"method": "quest", "budget": 1024}) == "quest@1024"
     assert summary._order("quest@1024") < summary._order("quest@1024 dense_layers=0:1")
+
+
+def test_rundir_reads_answers_holding_unicode_line_separators(tmp_path):
+    run = results.RunDir(tmp_path / "r", {"bench": "x"})
+    run.append({"id": "a", "prediction": "one\u2028two\x85three"})
+    assert [r["prediction"] for r in run.predictions()] == ["one\u2028two\x85three"] and run.done_ids() == {"a"}
