@@ -36,7 +36,7 @@ from .loading import load_model
 from .methods import cache_defaults, make_cache, method_runs, prepare_model
 from .profile_choice import resolve_profile
 from .results import RunDir, finished_metrics, progress, run_folder
-from .shared_prefill import dense_prefill, forced_decode, greedy_decode
+from .shared_prefill import common_prefix_length, dense_prefill, forced_decode, greedy_decode
 
 __all__ = [
     "FidelityTask",
@@ -194,14 +194,8 @@ def compare_steps(dense_logprobs: torch.Tensor, method_logprobs: Iterator[torch.
     return out
 
 
-def agreement_length(a: Sequence[int], b: Sequence[int]) -> int:
-    """Number of leading tokens on which two generations agree."""
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
+# Number of leading tokens on which two generations agree.
+agreement_length = common_prefix_length
 
 
 def summarize(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:

@@ -11,9 +11,17 @@ layer by layer, exactly the calls a model's own prefill forward makes; decoding 
 with ordinary one-token forward passes. `tests/test_eval_shared_prefill.py` checks that this gives
 the same tokens as `model.generate` with a fresh cache, for every method.
 
+**Prefix reuse.** Prompts that start alike share more: an L-Eval document carries about 8
+questions, each prompt being the same document followed by its question. `extend_prefill` turns the
+dense prefill of one prompt into that of another which shares its first tokens, running only the
+tokens after the shared part (the shared part's K/V do not depend on what follows it: attention is
+causal); `PrefixReuse` does this from each prompt to the next. So a document is prefilled once and
+each further question costs a forward pass over the question alone, for every method. The tests check
+the result gives the tokens of a fresh `generate` for every method.
+
 Models with sliding-window layers cannot share: such a layer keeps only its last window, and
 handing that to another cache is not the same as its prefill. For them `load_prefill` runs each
-method's own prefill forward instead (same results, no saving).
+method's own prefill forward instead (same results, no saving), and prefixes are not reused.
 """
 
 from __future__ import annotations
@@ -27,7 +35,10 @@ from fc_hf.compat import cache_kwargs
 
 from .methods import prepare_model
 
-__all__ = ["DensePrefill", "dense_prefill", "load_prefill", "greedy_decode", "forced_decode", "eos_token_ids"]
+__all__ = [
+    "DensePrefill", "dense_prefill", "load_prefill", "extend_prefill", "common_prefix_length", "PrefixReuse",
+    "greedy_decode", "forced_decode", "eos_token_ids",
+]
 
 
 @dataclass
@@ -68,6 +79,83 @@ def dense_prefill(model, prompt_ids: Sequence[int]) -> DensePrefill:
 def _prompt_forward(model, cache, prompt_ids: list[int]):
     ids = torch.tensor([prompt_ids], device=next(model.parameters()).device)
     return model(input_ids=ids, logits_to_keep=1, use_cache=True, **cache_kwargs(model, cache))
+
+
+def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens `a` and `b` share."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+@torch.inference_mode()
+def extend_prefill(model, prefix: DensePrefill, prompt_ids: Sequence[int], reuse: int | None = None) -> DensePrefill:
+    """The dense prefill of `prompt_ids`, reusing the K/V of the first `reuse` tokens of `prefix`.
+
+    Args:
+        model: the model (left set up for "dense").
+        prefix (`DensePrefill`): a prefill whose first `reuse` tokens begin `prompt_ids`; not modified.
+        prompt_ids (`list[int]`): the prompt.
+        reuse (`int`, *optional*): tokens to reuse (default: all of `prefix`). When that is the whole prompt,
+            the prompt must be `prefix`'s own (its last logits are needed) and `prefix` is returned.
+
+    Only the tokens after the reused ones run through the model. A prefix without shareable K/V
+    (sliding-window layers) cannot be extended: the prompt gets its own full prefill.
+    """
+    prompt_ids = list(prompt_ids)
+    reuse = prefix.length if reuse is None else int(reuse)
+    if not 0 < reuse <= min(prefix.length, len(prompt_ids)) or prompt_ids[:reuse] != prefix.prompt_ids[:reuse]:
+        raise ValueError(f"extend_prefill: the prompt does not start with the {reuse} tokens to reuse.")
+    if reuse == len(prompt_ids):
+        if reuse != prefix.length:
+            raise ValueError("extend_prefill: nothing to run after the reused tokens, and their last logits are unknown.")
+        return prefix
+    if prefix.kv is None:
+        return dense_prefill(model, prompt_ids)
+    from transformers import DynamicCache
+
+    prepare_model(model, "dense")
+    cache = DynamicCache(config=model.config)
+    for layer_idx, (k, v) in enumerate(prefix.kv):
+        cache.update(k[:, :, :reuse], v[:, :, :reuse], layer_idx)
+    out = _prompt_forward(model, cache, prompt_ids[reuse:])
+    return DensePrefill(prompt_ids, [(layer.keys, layer.values) for layer in cache.layers], out.logits[0, -1])
+
+
+class PrefixReuse:
+    """Dense prefills of a stream of prompts, each reusing what it shares with the previous one.
+
+    `reuse(prompt_ids)` returns the prompt's `DensePrefill`: when it shares at least `min_shared` leading
+    tokens with the previous prompt, only the rest runs through the model (`extend_prefill`); otherwise
+    (and for models whose prefills are not shareable) a full `dense_prefill`. Consecutive questions on one
+    document thus prefill the document once. `prefilled` and `reused` count the prompt tokens that ran
+    through the model and those whose K/V were reused.
+    """
+
+    def __init__(self, model, min_shared: int = 64):
+        self.model, self.min_shared = model, int(min_shared)
+        self.last: DensePrefill | None = None
+        self.prefilled = self.reused = 0
+
+    def __call__(self, prompt_ids: Sequence[int]) -> DensePrefill:
+        prompt_ids = list(prompt_ids)
+        last = self.last
+        shared = 0 if last is None or last.kv is None else common_prefix_length(last.prompt_ids, prompt_ids)
+        if last is not None and shared == len(prompt_ids) == last.length:  # the same prompt again
+            self.reused += shared
+            return last
+        shared = min(shared, len(prompt_ids) - 1)  # the last position must run: its logits start the decode
+        if shared >= max(1, self.min_shared):
+            pre = extend_prefill(self.model, last, prompt_ids, reuse=shared)
+        else:
+            shared, pre = 0, dense_prefill(self.model, prompt_ids)
+        self.reused += shared
+        self.prefilled += len(prompt_ids) - shared
+        self.last = pre
+        return pre
 
 
 @torch.inference_mode()

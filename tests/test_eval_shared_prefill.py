@@ -8,7 +8,9 @@ from fc_hf.compat import cache_kwargs
 from fc_hf.config import FlexiCacheConfig
 from fc_hf.eval import fidelity as F
 from fc_hf.eval.methods import METHODS, make_cache, prepare_model
-from fc_hf.eval.shared_prefill import dense_prefill, forced_decode, greedy_decode, load_prefill
+from fc_hf.eval.shared_prefill import (
+    PrefixReuse, common_prefix_length, dense_prefill, extend_prefill, forced_decode, greedy_decode, load_prefill,
+)
 from fc_hf.profile import HeadProfile
 
 # Small pages and budget so that every sparse method really drops pages (prompt = 15 pages of 4).
@@ -100,3 +102,49 @@ def test_sliding_window_models_fall_back_to_their_own_prefill(method):
     assert pre.kv is None and pre.length == 60
     shared = greedy_decode(model, pre, method, _cache(method, model, profile), max_new_tokens=12)
     assert shared == _generate(model, method, profile, prompt, 12)
+
+
+def _questions_on_one_document(doc_len=60, question_lens=(5, 9, 7)):
+    """Prompts that share a document and end in different questions (as L-Eval's do)."""
+    g = torch.Generator().manual_seed(5)
+    doc = torch.randint(3, 97, (doc_len,), generator=g).tolist()
+    return doc, [doc + torch.randint(3, 97, (n,), generator=g).tolist() for n in question_lens]
+
+
+@pytest.mark.parametrize("method", ["dense", "quest", "flexicache", "no-rerank"])
+def test_prefix_reuse_runs_only_each_question_and_gives_what_generate_gives(setup, method):
+    model, profile, _ = setup
+    doc, prompts = _questions_on_one_document()
+    reuse = PrefixReuse(model, min_shared=16)
+    ran = []
+    for prompt in prompts:
+        hook = model.register_forward_pre_hook(lambda m, a, kw: ran.append(kw["input_ids"].shape[1]), with_kwargs=True)
+        try:
+            pre = reuse(prompt)
+        finally:
+            hook.remove()
+        assert pre.prompt_ids == prompt
+        assert greedy_decode(model, pre, method, _cache(method, model, profile), 16) == _generate(
+            model, method, profile, prompt, 16)
+    shared = [common_prefix_length(a, b) for a, b in zip(prompts, prompts[1:])]
+    assert all(s >= len(doc) for s in shared)
+    assert ran == [len(prompts[0])] + [len(p) - s for p, s in zip(prompts[1:], shared)]  # the document ran once
+    assert reuse.reused == sum(shared) and reuse.prefilled == sum(ran)
+
+
+def test_extend_prefill_edges(setup):
+    model, _, _ = setup
+    doc, (a, b, _) = _questions_on_one_document()
+    pre = dense_prefill(model, a)
+    assert extend_prefill(model, pre, a) is pre
+    with pytest.raises(ValueError, match="does not start"):
+        extend_prefill(model, pre, b)  # b shares the document only, not all of a
+    with pytest.raises(ValueError, match="last logits"):
+        extend_prefill(model, pre, doc, reuse=len(doc))
+    ext = extend_prefill(model, pre, b, reuse=len(doc))
+    assert torch.equal(ext.kv[0][0][:, :, : len(doc)], pre.kv[0][0][:, :, : len(doc)])
+    torch.testing.assert_close(ext.logits, dense_prefill(model, b).logits, rtol=0, atol=1e-5)
+    # Short shared parts (under min_shared) are not worth a second cache: a full prefill instead.
+    reuse = PrefixReuse(model, min_shared=len(doc) + 50)
+    reuse(a), reuse(b)
+    assert reuse.reused == 0 and reuse.prefilled == len(a) + len(b)
