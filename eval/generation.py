@@ -1,13 +1,15 @@
 """LongBench and L-Eval runs: every method's greedy answer to each sample, scored by the benchmark's metric.
 
 One dense prefill per sample serves every method (`shared_prefill.py`); answers and scores go to
-one results folder per (method, budget) (`results.py`), resumable sample by sample. The data,
-prompts and metrics are `longbench.py` and `leval.py`; a task whose data is not reachable is
-skipped with one line.
+one results folder per (method, budget) (`results.py`), resumable sample by sample. L-Eval's
+questions on one document share the prompt's prefix, prefilled once (`shared_prefill.PrefixReuse`;
+`prefix_reuse=False` prefills every question in full). The data, prompts and metrics are
+`longbench.py` and `leval.py`; a task whose data is not reachable is skipped with one line.
 """
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -16,7 +18,7 @@ from .loading import load_model
 from .methods import cache_defaults, make_cache, method_runs, prepare_model
 from .profile_choice import resolve_profile
 from .results import RunDir, finished_metrics, progress, run_name
-from .shared_prefill import dense_prefill, eos_token_ids, greedy_decode
+from .shared_prefill import PrefixReuse, dense_prefill, eos_token_ids, greedy_decode
 
 __all__ = ["run_generation", "run_longbench", "run_leval"]
 
@@ -24,10 +26,15 @@ __all__ = ["run_generation", "run_longbench", "run_leval"]
 def run_generation(
     bench: str, model_name: str, task: str, samples: list[dict], prompt_fn: Callable, score_fn: Callable,
     max_new_tokens: int, methods: Sequence[str], budgets: Sequence[int], out: str | Path, max_prompt_tokens: int,
-    profile_arg: str | None, dtype: str, model_bundle,
+    profile_arg: str | None, dtype: str, model_bundle, prefix_reuse: bool = False,
 ) -> dict[str, dict]:
-    """Greedy answers of every method, sample by sample: one dense prefill per sample serves all methods."""
+    """Greedy answers of every method, sample by sample: one dense prefill per sample serves all methods.
+
+    With `prefix_reuse`, each prompt's prefill reuses the K/V of what it shares with the previous prompt
+    (`shared_prefill.PrefixReuse`): consecutive questions on one document prefill the document once.
+    """
     model, tok, _ = model_bundle
+    prefill_fn = PrefixReuse(model) if prefix_reuse else partial(dense_prefill, model)
     profile, note = resolve_profile(model_name, model.config, task, profile_arg)
     eos_ids = eos_token_ids(model, tok)
     runs = {}
@@ -43,7 +50,7 @@ def run_generation(
         if not pending:
             continue
         ids = prompt_fn(sample)
-        prefill = dense_prefill(model, ids)
+        prefill = prefill_fn(ids)
         for (method, budget), run in pending:
             cache = make_cache(method, model, budget or 1024, profile if method == "flexicache" else None)
             tokens = greedy_decode(model, prefill, method, cache, max_new_tokens, lambda t: t[-1] in eos_ids)
@@ -58,9 +65,10 @@ def run_generation(
 def run_longbench(
     model_name: str, tasks: Sequence[str], methods: Sequence[str], budgets: Sequence[int], out: str | Path,
     data: str | None = None, limit: int | None = None, max_prompt_tokens: int = 7500, prompt_file: str | None = None,
-    profile_arg: str | None = None, dtype: str = "float32", model_bundle=None,
+    profile_arg: str | None = None, dtype: str = "float32", model_bundle=None, max_new_tokens: int | None = None,
 ) -> dict[str, dict]:
-    """LongBench tasks (hub or local JSONL) for each method; tasks without data are skipped with one line."""
+    """LongBench tasks (hub or local JSONL) for each method; tasks without data are skipped with one line.
+    `max_new_tokens` None: the benchmark's length for each task (`longbench.MAX_NEW_TOKENS`)."""
     bundle = None
     prompts = longbench.load_prompts(prompt_file)
     results = {}
@@ -77,31 +85,38 @@ def run_longbench(
             "longbench", model_name, task, records,
             lambda r, t=task: longbench.build_prompt_ids(tok, t, r, max_prompt_tokens, prompts),
             lambda pred, r, t=task: longbench.score_sample(t, pred, r),
-            longbench.MAX_NEW_TOKENS[base], methods, budgets, out, max_prompt_tokens, profile_arg, dtype, bundle,
+            max_new_tokens or longbench.MAX_NEW_TOKENS[base], methods, budgets, out, max_prompt_tokens, profile_arg,
+            dtype, bundle,
         )
     return results
 
 
 def run_leval(
     model_name: str, tasks: Sequence[str], methods: Sequence[str], budgets: Sequence[int], out: str | Path,
-    data: str | None = None, limit: int | None = None, max_prompt_tokens: int = 7500, max_new_tokens: int = 256,
-    profile_arg: str | None = None, dtype: str = "float32", model_bundle=None,
+    data: str | None = None, limit: int | None = None, max_prompt_tokens: int = 7500, max_new_tokens: int | None = None,
+    profile_arg: str | None = None, dtype: str = "float32", model_bundle=None, prefix_reuse: bool = True,
 ) -> dict[str, dict]:
-    """L-Eval open-ended tasks (hub or local JSONL) for each method; tasks without data are skipped."""
+    """L-Eval tasks, open- and closed-ended (hub or local JSONL), for each method; tasks without data are skipped.
+
+    `max_new_tokens` None: each task's `leval.MAX_NEW_TOKENS`. `prefix_reuse`: a document's questions
+    share one prefill of the document (same answers; False prefills every question in full).
+    """
     bundle = None
     results = {}
     for task in tasks:
-        samples = leval.load_leval(task, local=data, limit=limit)
+        samples = leval.load_leval(task, local=data)
         if samples is None:
             continue
-        for s in samples:
-            s["_id"] = f"{s['doc_index']}-{s['inst_index']}"
         bundle = bundle or model_bundle or load_model(model_name, dtype)
         tok = bundle[1]
+        samples = leval.add_prompts(samples, tok, max_prompt_tokens)[:limit]
+        for s in samples:
+            s["_id"] = f"{s['doc_index']}-{s['inst_index']}"
         results[task] = run_generation(
             "leval", model_name, task, samples,
-            lambda s: leval.build_prompt_ids(tok, s, max_prompt_tokens),
+            lambda s: leval.prompt_ids(tok, s),
             lambda pred, s: leval.score_sample(pred, s),
-            max_new_tokens, methods, budgets, out, max_prompt_tokens, profile_arg, dtype, bundle,
+            max_new_tokens or leval.MAX_NEW_TOKENS[task], methods, budgets, out, max_prompt_tokens, profile_arg, dtype,
+            bundle, prefix_reuse=prefix_reuse,
         )
     return results

@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from .metrics import LONGBENCH_METRICS, score_longbench
+from .prompts import cut_middle, encode_prompt, truncate_middle
 from .sources import load_records
 
 __all__ = [
@@ -30,6 +31,7 @@ __all__ = [
     "NO_CHAT_TEMPLATE",
     "load_longbench",
     "load_prompts",
+    "prompt_text",
     "build_prompt_ids",
     "truncate_middle",
     "score_sample",
@@ -161,14 +163,17 @@ def load_prompts(path: str | Path | None) -> dict[str, str]:
     return prompts
 
 
-def truncate_middle(ids: Sequence[int], max_tokens: int) -> list[int]:
-    """Keep the first and last `max_tokens // 2` tokens (the benchmark's rule: the instruction sits at
-    both ends of the prompt, the middle of the document is the least harmful part to lose)."""
-    ids = list(ids)
-    if len(ids) <= max_tokens:
-        return ids
-    half = max_tokens // 2
-    return ids[:half] + ids[len(ids) - (max_tokens - half):]
+def prompt_text(tokenizer, task: str, record: dict[str, Any], max_prompt_tokens: int | None,
+                prompts: dict[str, str] | None = None) -> str:
+    """One sample's prompt text (no chat template), middle-truncated to `max_prompt_tokens` tokens (None: whole).
+
+    The text is what both routes hand on: `build_prompt_ids` here, and the lm-eval tasks in
+    `lm_eval_tasks/longbench/` (which lm-eval then wraps in the chat template with `--apply_chat_template`).
+    """
+    base = task[:-2] if task.endswith("_e") else task
+    template = (prompts or PROMPTS)[base]
+    text = template.replace("{context}", record.get("context") or "").replace("{input}", record.get("input") or "")
+    return text if max_prompt_tokens is None else cut_middle(tokenizer, text, max_prompt_tokens)
 
 
 def build_prompt_ids(
@@ -179,19 +184,11 @@ def build_prompt_ids(
 
     The chat template (when the tokenizer has one and `chat`) wraps the prompt as a user turn, except for
     the few-shot and code tasks in `NO_CHAT_TEMPLATE`. Truncation happens on the raw prompt, before the
-    template, so the template's markers are never cut.
+    template, so the template's markers are never cut. Encoded as lm-eval's HFLM encodes (`prompts.encode_prompt`).
     """
     base = task[:-2] if task.endswith("_e") else task
-    template = (prompts or PROMPTS)[base]
-    text = template.replace("{context}", record.get("context") or "").replace("{input}", record.get("input") or "")
-    ids = truncate_middle(tokenizer(text, add_special_tokens=False)["input_ids"], max_prompt_tokens)
-    if chat and base not in NO_CHAT_TEMPLATE and getattr(tokenizer, "chat_template", None):
-        text = tokenizer.decode(ids)
-        out = tokenizer.apply_chat_template(
-            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
-        )
-        return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
-    return ids
+    text = prompt_text(tokenizer, task, record, max_prompt_tokens, prompts)
+    return encode_prompt(tokenizer, text, chat=chat and base not in NO_CHAT_TEMPLATE)
 
 
 def score_sample(task: str, prediction: str, record: dict[str, Any]) -> float:

@@ -33,15 +33,17 @@ def write_jsonl(path: str | Path, records) -> None:
 
 
 def _local_file(local: str | Path, task: str) -> Path | None:
-    """`local` is either the task's JSONL file or a folder holding `<task>.jsonl` (as the
-    benchmarks' own archives unpack)."""
+    """`local` is either the task's JSONL file or a folder holding `<task>.jsonl`, directly or one folder
+    down (LongBench's archive unpacks to `data/`, L-Eval's to `Open-ended-tasks/` and `Closed-ended-tasks/`)."""
     local = Path(local)
     if local.is_file():
         return local
-    for candidate in (local / f"{task}.jsonl", local / "data" / f"{task}.jsonl"):
-        if candidate.is_file():
-            return candidate
-    return None
+    if (local / f"{task}.jsonl").is_file():
+        return local / f"{task}.jsonl"
+    found = sorted(local.glob(f"*/{task}.jsonl"))
+    if len(found) > 1:
+        raise ValueError(f"{task}.jsonl is in several folders under {local}: {[str(p) for p in found]}; pass one of them.")
+    return found[0] if found else None
 
 
 def load_records(

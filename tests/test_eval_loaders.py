@@ -48,7 +48,7 @@ def test_unknown_task_raises():
     with pytest.raises(KeyError):
         longbench.load_longbench("not_a_task", local=FIXTURES / "longbench")
     with pytest.raises(KeyError):
-        leval.load_leval("coursera", local=FIXTURES / "leval")  # closed-ended: not scored here
+        leval.load_leval("gsm100", local=FIXTURES / "leval")  # closed-ended, but not among the tasks scored here
 
 
 def test_wrong_schema_raises(tmp_path):
@@ -102,6 +102,7 @@ def test_longbench_prompt_layout_and_middle_truncation():
     assert rec["input"] in text
     short = longbench.build_prompt_ids(tok, "hotpotqa", rec, max_prompt_tokens=12)
     assert len(short) == 12 and short[:6] == ids[:6] and short[-6:] == ids[-6:]
+    assert tok.decode(short) == longbench.prompt_text(tok, "hotpotqa", rec, 12)  # the text lm-eval's task gets
 
 
 def test_truncate_middle():
@@ -148,12 +149,54 @@ def test_leval_mismatched_lists_raise(tmp_path):
         leval.load_leval("financial_qa", local=tmp_path)
 
 
-def test_leval_prompt_fits_budget_and_asks_length():
+def test_leval_prompt_keeps_head_and_tail_and_asks_length():
     tok = WordTokenizer()
     s = dict(leval.load_leval("financial_qa", local=FIXTURES / "leval")[0])
     s["document"] = " ".join(f"w{i}" for i in range(500))
-    ids = leval.build_prompt_ids(tok, s, max_prompt_tokens=120)
+    s = leval.add_prompts([s], tok, max_length=120 + leval.CHAT_RESERVE)[0]
+    ids = leval.prompt_ids(tok, s)
     text = tok.decode(ids)
-    assert len(ids) <= 120
-    assert "w0" in text and "w499" not in text  # the document is cut at its end
-    assert "about 7 words" in text and s["instruction"] in text
+    assert 100 <= len(ids) <= 120
+    assert "w0" in text and "w499" in text and "w250" not in text  # head and tail kept, the middle cut
+    assert "about 7 words" in text and s["instruction"] in text and text.endswith("Answer:")
+    uncut = leval.add_prompts([dict(s)], tok, max_length=None)[0]
+    assert "w250" in uncut["prompt"]
+
+
+def test_leval_questions_of_a_document_share_its_cut_text_whatever_the_limit():
+    tok = WordTokenizer()
+    full = leval.load_leval("multidoc_qa", local=FIXTURES / "leval", tokenizer=tok, max_length=160)
+    assert [(s["doc_index"], s["inst_index"]) for s in full] == [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1)]
+    docs = [s["prompt"].split("\n\nInstruction:")[0] for s in full]
+    assert docs[0] == docs[1] == docs[2] != docs[3] == docs[4]
+    assert "Martha" in docs[0] and "112 steps" in docs[0] and "1923" not in docs[0]  # the middle is cut
+    assert leval.load_leval("multidoc_qa", local=FIXTURES / "leval", tokenizer=tok, max_length=160, limit=1)[0] == full[0]
+    assert full[3]["evaluation"] == "f1"  # marked "human": the task's automatic metric
+
+
+def test_leval_exam_tasks_load_prompt_and_score():
+    tok = WordTokenizer()
+    quality = leval.load_leval("quality", local=FIXTURES / "leval", tokenizer=tok)
+    assert [s["evaluation"] for s in quality] == ["exam"] * 3
+    assert "letter of the correct option" in quality[0]["prompt"] and quality[0]["prompt"].endswith("Answer:")
+    assert leval.score_sample(" B", quality[0]) == 1.0 and leval.score_sample("A", quality[0]) == 0.0
+    coursera = leval.load_leval("coursera", local=FIXTURES / "leval")
+    assert leval.score_sample("AC", coursera[0]) == 0.25 and leval.score_sample("ABC", coursera[0]) == 1.0
+    sci_fi = leval.load_leval("sci_fi", local=FIXTURES / "leval")
+    assert leval.score_sample("False", sci_fi[0]) == 1.0 and leval.score_sample("False", sci_fi[1]) == 0.0
+    topics = leval.load_leval("topic_retrieval_longchat", local=FIXTURES / "leval")
+    assert leval.score_sample("The history of tea", topics[1]) == 1.0
+    assert set(leval.MAX_NEW_TOKENS) == set(leval.TASKS)
+
+
+def test_task_file_found_one_folder_down(tmp_path):
+    for sub in ("Open-ended-tasks", "Closed-ended-tasks"):
+        (tmp_path / sub).mkdir()
+    src = FIXTURES / "leval"
+    (tmp_path / "Open-ended-tasks" / "financial_qa.jsonl").write_text((src / "financial_qa.jsonl").read_text())
+    (tmp_path / "Closed-ended-tasks" / "quality.jsonl").write_text((src / "quality.jsonl").read_text())
+    assert len(leval.load_leval("financial_qa", local=tmp_path)) == 2
+    assert len(leval.load_leval("quality", local=tmp_path)) == 3
+    (tmp_path / "Closed-ended-tasks" / "financial_qa.jsonl").write_text("")
+    with pytest.raises(ValueError, match="several folders"):
+        leval.load_leval("financial_qa", local=tmp_path)
