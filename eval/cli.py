@@ -1,18 +1,21 @@
-"""`flexicache eval {fidelity,ruler,longbench,leval,selection,summary}`: accuracy retention against dense.
+"""`flexicache eval {fidelity,ruler,longbench,leval,selection,summary,tasks-path,lm-eval}`: accuracy retention against dense.
 
 Examples:
 
     flexicache eval fidelity --model smollm2-135m-instruct --budgets 1024,2048
     flexicache eval ruler --model smollm2-135m-instruct --tasks niah_single_1,ruler_vt --limit 4
     flexicache eval longbench --model smollm2-135m-instruct --data ./LongBench/data --limit 20
-    flexicache eval leval --model smollm2-135m-instruct --data ./LEval-data/Generation
+    flexicache eval leval --model smollm2-135m-instruct --data ./LEval-data --tasks financial_qa,quality
     flexicache eval selection --model smollm2-135m-instruct --sources kjv:0,niah:0
     flexicache eval summary --out results
+    flexicache eval lm-eval --model flexicache --model_args pretrained=PATH,profile=P.json --apply_chat_template
+        --include_path "$(flexicache eval tasks-path)" --tasks leval_financial_qa --metadata '{"leval_data": "DIR"}'
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 from functools import partial
 from typing import Callable, NamedTuple
 
@@ -95,7 +98,9 @@ def _leval_options(le):
     le.add_argument("--data", default=None, help="folder of <task>.jsonl in L-Eval's schema (offline)")
     le.add_argument("--limit", type=int, default=None)
     le.add_argument("--max-prompt-tokens", type=int, default=7500)
-    le.add_argument("--max-new-tokens", type=int, default=256)
+    le.add_argument("--max-new-tokens", type=int, default=None, help="default: 256 for open-ended tasks, 32 for exam tasks")
+    le.add_argument("--no-prefix-reuse", action="store_true",
+                    help="prefill every question in full (default: a document's questions share its prefill)")
 
 
 def _selection_options(s):
@@ -145,7 +150,7 @@ def _leval(args, common):
     from .generation import run_leval
 
     return run_leval(args.model, args.tasks, data=args.data, limit=args.limit, max_prompt_tokens=args.max_prompt_tokens,
-                     max_new_tokens=args.max_new_tokens, **common)
+                     max_new_tokens=args.max_new_tokens, prefix_reuse=not args.no_prefix_reuse, **common)
 
 
 def _evaluate(run, args) -> int:
@@ -171,6 +176,29 @@ def _summary(args) -> int:
     return 0
 
 
+def _tasks_path(args) -> int:
+    from .lm_eval_tasks import TASKS_PATH
+
+    print(TASKS_PATH)
+    return 0
+
+
+def _lm_eval(argv: list[str]) -> int:
+    """lm-eval's own command line, with the `flexicache` model type registered first (lm-eval 0.4 finds no
+    third-party model by itself: it builds the model before importing any include-path code)."""
+    from lm_eval.__main__ import cli_evaluate
+
+    from . import lm_eval_model  # noqa: F401  (registers --model flexicache)
+
+    saved = sys.argv
+    sys.argv = ["lm_eval", *argv]
+    try:
+        cli_evaluate()
+    finally:
+        sys.argv = saved
+    return 0
+
+
 def _selection(args) -> int:
     from .selection_probe import run_probe
 
@@ -185,11 +213,16 @@ SUBCOMMANDS: dict[str, Subcommand] = {
     "ruler": Subcommand("lm-eval's offline RULER tasks", _ruler_options, partial(_evaluate, _ruler)),
     "longbench": Subcommand("LongBench (hub THUDM/LongBench or --data folder of <task>.jsonl)", _longbench_options,
                             partial(_evaluate, _longbench)),
-    "leval": Subcommand("L-Eval open-ended tasks (hub L4NLP/LEval or --data folder)", _leval_options,
+    "leval": Subcommand("L-Eval open- and closed-ended tasks (hub L4NLP/LEval or --data folder)", _leval_options,
                         partial(_evaluate, _leval)),
     "selection": Subcommand("selection-quality probe: attention mass each page policy captures, vs the oracle",
                             _selection_options, _selection),
     "summary": Subcommand("Markdown retention / fidelity tables and plots of a results folder", _summary_options, _summary),
+    "tasks-path": Subcommand("print the lm-eval include path of the L-Eval and LongBench task configs",
+                             lambda sp: None, _tasks_path),
+    # Its arguments go to lm-eval untouched (main() hands them over before parsing).
+    "lm-eval": Subcommand("lm-eval's command line (python -m lm_eval ...) with --model flexicache registered",
+                          lambda sp: None, lambda args: _lm_eval([])),
 }
 
 
@@ -203,5 +236,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["lm-eval"]:
+        return _lm_eval(argv[1:])
     args = build_parser().parse_args(argv)
     return SUBCOMMANDS[args.command].main(args)
