@@ -248,6 +248,23 @@ class PagedKV:
                 "(please report it with your FlexiCacheConfig)."
             )
 
+    def page_keys(self, pages: torch.Tensor) -> torch.Tensor:
+        """Keys of logical pages `[N, C]` -> `[N, C, P, D]`, from the device where resident, else the host tier.
+
+        For re-scoring selected candidates exactly (`FlexiCacheConfig.refine_pages`); tokens past the
+        sequence's length in the page being filled are whatever the slot holds: mask them by position.
+        """
+        self.transfers.wait_promotions()
+        slots = self.table.gather(1, pages)
+        keys = self.k_pool[slots]
+        if self.tiered and self.host_pages:
+            off = (slots == 0) & (pages < self.host_pages)
+            if bool(off.any()):
+                self.transfers.sync_host()
+                rows, cols = off.nonzero(as_tuple=True)
+                keys[rows, cols] = self.host_k[pages[rows, cols].cpu(), rows.cpu()].to(self.device)
+        return keys
+
     def dense(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Every token's K and V as `[B, heads, L, D]`, taken from the device where resident, else the host."""
         self.transfers.wait_promotions()  # the device pages read below may be a pending promotion's
