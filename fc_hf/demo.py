@@ -23,6 +23,7 @@ from .attention import register
 from .cache import FlexiCache
 from .compat import cache_kwargs
 from .config import FlexiCacheConfig
+from .errors import ProfileError
 from .profile import PROFILE_DIR, HeadProfile
 
 
@@ -112,7 +113,7 @@ def _demo(args) -> int:
         profile = HeadProfile.load(profile_path, model.config)
         shown = args.profile or f"profiles/{args.model}.json"  # not this machine's path
         profile_note = f"profile {shown} ({len(profile.unstable)} unstable KV heads)"
-    except Exception as e:  # noqa: BLE001 - the demo still runs, as Quest, and says why
+    except ProfileError as e:  # the demo still runs, as Quest, says why and labels its row so
         profile = None
         profile_note = f"no usable profile ({e}); every head unstable (Quest)"
     ids = torch.tensor([text_tokens(tokenizer, args.prompt_tokens, offset=1_000_000)])
@@ -129,7 +130,7 @@ def _demo(args) -> int:
     rows = [
         ("method", "decode tok/s", "device KV MB", "next token = dense's (teacher-forced)"),
         ("DynamicCache + sdpa", f"{dense_tps:.1f}", f"{dense_bytes / 1e6:.1f}", f"{n}/{n}"),
-        (f"FlexiCache (budget {args.budget})", f"{fc_tps:.1f}", f"{fc_bytes / 1e6:.1f}", f"{agree}/{n}"),
+        (f"{'FlexiCache' if profile is not None else 'Quest (no profile)'} (budget {args.budget})", f"{fc_tps:.1f}", f"{fc_bytes / 1e6:.1f}", f"{agree}/{n}"),
     ]
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
     print(f"{args.model}: {ids.shape[1]}-token King James prompt, {n} greedy tokens; FlexiCache with {profile_note}.\n")
