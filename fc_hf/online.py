@@ -81,6 +81,7 @@ def classify_trace(samples, unstable_fraction: float, window: int = TS_WINDOW):
     (`count_unstable` + `select_unstable`: `classify_heads`). None when no window is defined.
     """
     ts_list = [temporal_stability(topk, num_pages, window) for topk, num_pages in samples]
+    ts_list = [ts for ts in ts_list if ts.shape[0]]  # a trace shorter than one window has none
     if not ts_list:
         return None, None
     tally = count_unstable(ts_list, unstable_fraction)
