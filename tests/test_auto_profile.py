@@ -371,3 +371,35 @@ def test_zero_warmup_without_an_observation_falls_back_to_a_warmup(no_grad):
     stats = auto.stats()["auto_profile"]
     assert stats["postponed_at_steps"] == [0] and stats["classified_after_step"] == 32
     assert not stats["observed_prefill"] and auto.profile_found().unstable == set(PLANTED)
+
+
+def test_eval_probe_runs_on_a_tiny_model(no_grad):
+    """`fc_hf.eval.auto_profile.probe`: per-warm-up overlaps from one run's trace (it checks that the run's own
+    classification equals its trace's), the zero-warm-up and dense-trace variants, memory and step times."""
+    from fc_hf.eval.auto_profile import probe
+
+    model = tiny_model("llama", layers=2, heads=8, kv_heads=4)
+    offline = HeadProfile.from_unstable(model.config, [(0, 1), (1, 2)])
+    g = torch.Generator().manual_seed(0)
+    prompts = [(f"p{i}", torch.randint(1, 97, (120,), generator=g).tolist()) for i in range(2)]
+    result = probe(model, None, offline, prompts, [4, 8], budget=32, rerank=4, dense_trace=True)
+    assert [r["sample"] for r in result["rows"]] == ["p0", "p1"] and result["steps"] == 13
+    for row in result["rows"]:
+        for key in ("overlap_w4", "overlap_w8", "overlap_w0", "dense_overlap_w8"):
+            assert 0.0 <= row[key] <= 1.0
+        assert len(row["step_s_auto"]) == len(row["step_s_offline"]) == 13
+        assert row["auto_memory"]["auto_classified_after_step"] == 8
+    assert set(result["summary"]["pooled_overlap"]) == {4, 8, 0}
+    assert result["summary"]["chance_expected"] == 0.25
+
+
+def test_zero_warmup_with_a_prompt_shorter_than_a_window(no_grad):
+    """A 10-token prompt traces 10 positions, less than one TS window: nothing to classify, no error; the
+    fallback warm-up classifies later."""
+    model = tiny_model("llama", layers=2, heads=8, kv_heads=4)
+    ids = torch.randint(1, 97, (1, 10), generator=torch.Generator().manual_seed(2))
+    cfg = FlexiCacheConfig(page_size=4, token_budget=16, rerank_interval=4, warmup_steps=0)
+    cache = FlexiCache(model.config, cfg, "auto")
+    model.generate(input_ids=ids, do_sample=False, max_new_tokens=40, pad_token_id=0, **{cache_kwarg(model): cache})
+    stats = cache.stats()["auto_profile"]
+    assert stats["postponed_at_steps"] == [0] and stats["classified_after_step"] == 32
