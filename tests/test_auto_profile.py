@@ -63,6 +63,16 @@ class Stream:
         return outs
 
 
+def auto_through(stream, steps, warmup, **cfg):
+    """A `profile="auto"` cache (pages of 4, budget 32, R = 4 unless `cfg` says otherwise) fed `steps` decode steps."""
+    cfg = {"page_size": 4, "token_budget": 32, "rerank_interval": 4, **cfg}
+    auto = FlexiCache(stream.config, FlexiCacheConfig(warmup_steps=warmup, **cfg), "auto")
+    stream.run_prefill(auto)
+    for step in range(1, steps + 1):
+        stream.run_step(step, auto)
+    return auto
+
+
 def resident_pages(store: PagedKV) -> torch.Tensor:
     return store.table[:, : store.num_pages] != 0
 
@@ -211,11 +221,7 @@ def test_batch_reorder_through_the_warmup_boundary(no_grad):
 def test_nothing_to_classify_postpones_by_one_warmup(no_grad):
     """While every sequence fits the budget no TS window is defined: the classification waits W more steps."""
     stream = Stream(prompt=10, steps=40, planted=PLANTED)
-    cfg = FlexiCacheConfig(page_size=4, token_budget=32, rerank_interval=4, warmup_steps=8)
-    auto = FlexiCache(stream.config, cfg, "auto")
-    stream.run_prefill(auto)
-    for step in range(1, 17):  # lengths 11..26 tokens: at most 7 pages, K = 8
-        stream.run_step(step, auto)
+    auto = auto_through(stream, 16, warmup=8)  # lengths 11..26 tokens: at most 7 pages, K = 8
     stats = auto.stats()["auto_profile"]
     assert stats["state"] == "warming up" and stats["postponed_at_steps"] == [8]
     for step in range(17, 26):  # steps 17..24 reach 9 pages > K: defined windows
@@ -331,11 +337,7 @@ def test_beam_search_generate_through_the_boundary(no_grad):
 
 def test_found_profile_saves_and_loads(tmp_path, no_grad):
     stream = Stream(planted=PLANTED, steps=17)
-    auto = FlexiCache(stream.config, FlexiCacheConfig(page_size=4, token_budget=32, rerank_interval=4,
-                                                      warmup_steps=16), "auto")
-    stream.run_prefill(auto)
-    for step in range(1, 18):
-        stream.run_step(step, auto)
+    auto = auto_through(stream, 17, warmup=16)
     path = auto.profile_found().save(tmp_path / "auto.json")
     loaded = HeadProfile.load(path, stream.config)
     assert loaded.unstable == set(PLANTED)
@@ -363,11 +365,7 @@ def test_zero_warmup_without_an_observation_falls_back_to_a_warmup(no_grad):
     """Fed straight into the cache (no attention function sees the prefill queries), `warmup_steps=0` has
     nothing to classify before step 1 and falls back to a 32-step warm-up."""
     stream = Stream(planted=PLANTED, steps=33)
-    auto = FlexiCache(stream.config, FlexiCacheConfig(page_size=4, token_budget=32, rerank_interval=4,
-                                                      warmup_steps=0), "auto")
-    stream.run_prefill(auto)
-    for step in range(1, 34):
-        stream.run_step(step, auto)
+    auto = auto_through(stream, 33, warmup=0)
     stats = auto.stats()["auto_profile"]
     assert stats["postponed_at_steps"] == [0] and stats["classified_after_step"] == 32
     assert not stats["observed_prefill"] and auto.profile_found().unstable == set(PLANTED)
