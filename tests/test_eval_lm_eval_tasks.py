@@ -84,9 +84,21 @@ def test_hook_without_data_says_how_to_pass_it(tmp_path):
 def _lm_eval(monkeypatch, out: Path, model: str, model_args: str, tasks: str, limit: int):
     """lm-eval's command line through `flexicache eval lm-eval`; lm-eval's own tasks are left out of its index,
     which otherwise takes tens of seconds to build. Returns {task: {sample id: answer}} and the prompts."""
+    import importlib
+    import sys
+
     import lm_eval.tasks
 
-    monkeypatch.setattr(lm_eval.tasks, "TaskManager", partial(lm_eval.tasks.TaskManager, include_defaults=False))
+    # Import the modules that bind TaskManager at import time *before* patching, and patch every binding, so
+    # monkeypatch restores them all: a module first imported under the patch would keep the restricted index
+    # for the rest of the session (seen: the RULER tests then found no niah_single_1).
+    for name in ("lm_eval.evaluator", "lm_eval.evaluator_utils", "lm_eval.api.task", "lm_eval.config.evaluate_config"):
+        importlib.import_module(name)
+    real = lm_eval.tasks.TaskManager
+    restricted = partial(real, include_defaults=False)
+    for name, module in list(sys.modules.items()):
+        if name.startswith("lm_eval") and getattr(module, "TaskManager", None) is real:
+            monkeypatch.setattr(module, "TaskManager", restricted)
     metadata = {"leval_data": str(FIXTURES / "leval"), "longbench_data": str(FIXTURES / "longbench"),
                 "max_length": MAX_LENGTH}
     assert cli.main(["lm-eval", "--model", model, "--model_args", model_args, "--include_path", str(TASKS_PATH),
