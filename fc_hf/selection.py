@@ -26,6 +26,8 @@ Policies (`FlexiCacheConfig` options):
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from . import kernels
@@ -37,9 +39,7 @@ NEG_INF = float("-inf")
 
 def head_bounds(query: torch.Tensor, meta: torch.Tensor, entries: int) -> torch.Tensor:
     """Quest bound of every metadata entry for every query head: `[N, G, D]`, `[N, >=E, 2D]` -> `[N, G, E]` fp32."""
-    q = query.float()
-    q2 = torch.cat([q.clamp(min=0), q.clamp(max=0)], dim=-1)
-    return torch.matmul(q2, meta[:, :entries].float().transpose(1, 2))
+    return kernels.torch_backend.bounds_per_head(query, meta, entries)
 
 
 def combine_group(bounds: torch.Tensor, how: str, scaling: float, page_valid: torch.Tensor | None) -> torch.Tensor:
@@ -94,7 +94,7 @@ def tail_terms(query: torch.Tensor, page_means: torch.Tensor, read: torch.Tensor
     logits = torch.matmul(query.float(), means[..., :d].float().transpose(1, 2)) * scaling
     if softcap is not None:
         logits = torch.tanh(logits / softcap) * softcap
-    logits = logits + torch.log(torch.tensor(float(page_size)))
+    logits = logits + math.log(page_size)  # the page's P tokens
     skip = torch.zeros(query.shape[0], full_pages + 1, dtype=torch.bool, device=query.device)
     skip.scatter_(1, read.clamp(max=full_pages), True)  # the page being filled maps to the spare column
     skip = skip[:, :full_pages]
@@ -131,11 +131,12 @@ class PageSelector:
     def page_scores(
         self, query: torch.Tensor, meta: torch.Tensor, num_pages: int, page_valid: torch.Tensor | None, scaling: float
     ) -> torch.Tensor:
-        """Scores `[N, Np]` (fp32) of every page from `meta [N, >= Np*S, 2D]`; forcing not applied."""
+        """Scores `[N, Np]` (fp32) of every page from `meta [N, >= Np*S, 2D]`; `scores()` applies the forcing.
+
+        (The fused Quest kernel already puts the page being filled at +inf; `scores()` forces it again.)
+        """
         if self.how == "quest" and self.subpages == 1:  # the kernel path (Triton on CUDA)
-            scores = kernels.score_pages(query, meta, num_pages, page_valid, backend=self.cfg.backend)
-            scores[:, num_pages - 1] = NEG_INF  # re-forced below with the other forced pages
-            return scores
+            return kernels.score_pages(query, meta, num_pages, page_valid, backend=self.cfg.backend)
         s = self.subpages
         bounds = head_bounds(query, meta, num_pages * s)
         if s > 1:  # a sub-page not yet written (in the page being filled) is all zeros; that page is forced anyway

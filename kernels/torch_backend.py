@@ -26,6 +26,16 @@ def pack_minmax(kmax: torch.Tensor, kmin: torch.Tensor) -> torch.Tensor:
     return torch.cat([kmax, kmin], dim=-1)
 
 
+def bounds_per_head(query: torch.Tensor, meta: torch.Tensor, entries: int) -> torch.Tensor:
+    """Quest bound of the first `entries` metadata entries for every query head, fp32.
+
+    `[N, G, D]`, `[N, >=E, 2D]` (packed `[kmax, kmin]`) -> `[N, G, E]`: `relu(q).kmax + min(q,0).kmin` as one matmul.
+    """
+    q = query.float()
+    q2 = torch.cat([q.clamp(min=0), q.clamp(max=0)], dim=-1)  # [N, G, 2D]
+    return torch.matmul(q2, meta[:, :entries].float().transpose(1, 2))
+
+
 def score_pages(
     query: torch.Tensor,
     meta: torch.Tensor,
@@ -49,10 +59,7 @@ def score_pages(
     Returns:
         `torch.Tensor` of shape `[N, num_pages]`, fp32.
     """
-    q = query.float()
-    q2 = torch.cat([q.clamp(min=0), q.clamp(max=0)], dim=-1)  # [N, G, 2D]
-    m = meta[:, :num_pages].float()  # [N, Np, 2D]
-    scores = torch.matmul(q2, m.transpose(1, 2)).amax(dim=1)  # [N, Np]
+    scores = bounds_per_head(query, meta, num_pages).amax(dim=1)  # [N, Np]
     if page_valid is not None:
         scores = scores.masked_fill(~page_valid, NEG_INF)
     scores[:, num_pages - 1] = POS_INF
