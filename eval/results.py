@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["RunDir", "run_name", "run_folder", "progress", "finished_metrics"]
+__all__ = ["RunDir", "run_name", "run_folder", "read_predictions", "progress", "finished_metrics"]
 
 
 def _option_text(value) -> str:
@@ -27,6 +27,22 @@ def run_name(method: str, budget: int | None) -> str:
 def run_folder(method: str, budget: int | None, cache_options: dict | None = None) -> str:
     """A run's folder name: `run_name` plus the cache options that set it apart (e.g. "-page_size=8")."""
     return run_name(method, budget) + "".join(f"-{k}={_option_text(v)}" for k, v in sorted((cache_options or {}).items()))
+
+
+def read_predictions(path: str | Path) -> list[dict[str, Any]]:
+    """The rows of a `predictions.jsonl` file ([] when it does not exist); a line cut by an interrupted write is skipped."""
+    path = Path(path)
+    if not path.exists():
+        return []
+    rows = []
+    # split("\n"), not splitlines(): an answer may hold U+2028 or U+0085, which JSON leaves unescaped.
+    for line in path.read_text(encoding="utf-8").split("\n"):
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                pass  # a line cut by an interrupted write: that sample is simply redone
+    return rows
 
 
 def progress(iterable, desc: str, total: int | None = None):
@@ -77,17 +93,7 @@ class RunDir:
         return self.path / "metrics.json"
 
     def predictions(self) -> list[dict[str, Any]]:
-        if not self.predictions_file.exists():
-            return []
-        rows = []
-        # split("\n"), not splitlines(): an answer may hold U+2028 or U+0085, which JSON leaves unescaped.
-        for line in self.predictions_file.read_text(encoding="utf-8").split("\n"):
-            if line.strip():
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError:
-                    pass  # a line cut by an interrupted write: that sample is simply redone
-        return rows
+        return read_predictions(self.predictions_file)
 
     def done_ids(self) -> set[str]:
         return {str(r["id"]) for r in self.predictions()}
