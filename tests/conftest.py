@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
+
+FIXTURES = Path(__file__).parent / "fixtures"
 
 
 # One intra-op thread: the tests are small ops where a thread pool only adds overhead, and on a
@@ -98,3 +102,36 @@ def left_padded_batch(batch: int, length: int, vocab: int = 97, seed: int = 0, p
 def no_grad():
     with torch.no_grad():
         yield
+
+
+@pytest.fixture(scope="session")
+def model_folder(tmp_path_factory):
+    """A tiny random Llama folder with a byte-level BPE tokenizer (trained on the L-Eval / LongBench fixtures),
+    a chat template and a head profile (`profile.json`): a model `flexicache eval leval|longbench` can load."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    from fc_hf.profile import HeadProfile
+
+    texts = []
+    for f in sorted((FIXTURES / "leval").glob("*.jsonl")) + sorted((FIXTURES / "longbench").glob("*.jsonl")):
+        for record in map(json.loads, f.read_text().splitlines()):
+            texts += [str(v) for v in record.values()]
+    tk = Tokenizer(models.BPE())
+    tk.pre_tokenizer, tk.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    tk.train_from_iterator(texts, trainers.BpeTrainer(
+        vocab_size=400, special_tokens=["<pad>", "</s>", "<s>", "<|user|>", "<|assistant|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="<pad>", eos_token="</s>", bos_token="<s>")
+    tok.chat_template = ("{% for m in messages %}<|user|>{{ m['content'] }}{% endfor %}"
+                         "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    folder = tmp_path_factory.mktemp("tiny")
+    tok.save_pretrained(folder)
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048, pad_token_id=0,
+                      eos_token_id=1, bos_token_id=2)
+    model = LlamaForCausalLM(cfg).eval()
+    model.save_pretrained(folder)
+    HeadProfile.from_unstable(cfg, [(0, 1), (1, 0)]).save(folder / "profile.json")
+    return folder
