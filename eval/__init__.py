@@ -16,6 +16,7 @@
 | `lm_eval_model.py` | the `flexicache` model type for lm-eval |
 | `lm_eval_tasks/` | lm-eval task configs (YAML + hooks) for L-Eval and LongBench on local data (`flexicache eval tasks-path`) |
 | `summary.py` | retention / fidelity tables and plots of a results tree |
+| `agreement.py` | per-question agreement with dense's answers and retention, with paired bootstrap intervals |
 
 The speed and memory benchmarks are the subpackage `bench/` (`flexicache bench`); the harness never
 imports it. A generation one-liner with a fresh cache per call is the core's `fc_hf.flexicache_pipeline`.

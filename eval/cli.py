@@ -1,4 +1,4 @@
-"""`flexicache eval {fidelity,ruler,longbench,leval,selection,summary,tasks-path,lm-eval}`: accuracy retention against dense.
+"""`flexicache eval {fidelity,ruler,longbench,leval,agreement,selection,summary,tasks-path,lm-eval}`: accuracy retention against dense.
 
 Examples:
 
@@ -6,6 +6,7 @@ Examples:
     flexicache eval ruler --model smollm2-135m-instruct --tasks niah_single_1,ruler_vt --limit 4
     flexicache eval longbench --model smollm2-135m-instruct --data ./LongBench/data --limit 20
     flexicache eval leval --model smollm2-135m-instruct --data ./LEval-data --tasks financial_qa,quality
+    flexicache eval agreement --results results --bench leval --out results/agreement-leval.md
     flexicache eval selection --model smollm2-135m-instruct --sources kjv:0,niah:0
     flexicache eval summary --out results
     flexicache eval lm-eval --model flexicache --model_args pretrained=PATH,profile=P.json --apply_chat_template
@@ -117,6 +118,16 @@ def _selection_options(s):
     s.add_argument("--out", default=None, help="write the Markdown tables here too")
 
 
+def _agreement_options(a):
+    a.add_argument("--results", default="results", help="results root (--out of `flexicache eval leval|longbench`)")
+    a.add_argument("--bench", default="leval", help="benchmark folder under the root (leval, longbench)")
+    a.add_argument("--model", default=None, help="model folder name (default: every model of the benchmark)")
+    a.add_argument("--tasks", type=_csv(), default=None, help="comma list of tasks (default: every task with a dense run)")
+    a.add_argument("--out", default=None, help="write the Markdown tables here too")
+    a.add_argument("--seed", type=int, default=0, help="bootstrap seed")
+    a.add_argument("--resamples", type=int, default=2000, help="bootstrap resamples")
+
+
 def _summary_options(s):
     s.add_argument("--out", default="results")
     s.add_argument("--no-plots", action="store_true")
@@ -167,6 +178,16 @@ def _evaluate(run, args) -> int:
     return 0
 
 
+def _agreement(args) -> int:
+    from .agreement import write_agreement
+
+    rows, text = write_agreement(args.results, args.bench, args.model, args.tasks, args.out, args.resamples, args.seed)
+    print(text)
+    if args.out:
+        print(f"wrote {args.out}")
+    return 0 if rows else 1
+
+
 def _summary(args) -> int:
     from .summary import write_summary
 
@@ -215,6 +236,8 @@ SUBCOMMANDS: dict[str, Subcommand] = {
                             partial(_evaluate, _longbench)),
     "leval": Subcommand("L-Eval open- and closed-ended tasks (hub L4NLP/LEval or --data folder)", _leval_options,
                         partial(_evaluate, _leval)),
+    "agreement": Subcommand("per-question agreement with dense's answers and retention, with bootstrap intervals",
+                            _agreement_options, _agreement),
     "selection": Subcommand("selection-quality probe: attention mass each page policy captures, vs the oracle",
                             _selection_options, _selection),
     "summary": Subcommand("Markdown retention / fidelity tables and plots of a results folder", _summary_options, _summary),
