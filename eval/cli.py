@@ -80,6 +80,10 @@ def _ruler_options(r):
                         "dense prefill per sample")
 
 
+_GENERATION_CACHE_OPTIONS = ("FlexiCacheConfig fields for every non-dense method, e.g. page_size=8 (names those run "
+                              "folders; dense ignores them and keeps its folder)")
+
+
 def _longbench_options(lb):
     from .longbench import TASKS_EN
 
@@ -89,6 +93,7 @@ def _longbench_options(lb):
     lb.add_argument("--limit", type=int, default=None)
     lb.add_argument("--max-prompt-tokens", type=int, default=7500)
     lb.add_argument("--prompt-file", default=None, help="JSON {task: template} replacing the built-in prompts")
+    lb.add_argument("--cache-options", default=None, help=_GENERATION_CACHE_OPTIONS)
 
 
 def _leval_options(le):
@@ -102,6 +107,7 @@ def _leval_options(le):
     le.add_argument("--max-new-tokens", type=int, default=None, help="default: 256 for open-ended tasks, 32 for exam tasks")
     le.add_argument("--no-prefix-reuse", action="store_true",
                     help="prefill every question in full (default: a document's questions share its prefill)")
+    le.add_argument("--cache-options", default=None, help=_GENERATION_CACHE_OPTIONS)
 
 
 def _selection_options(s):
@@ -154,14 +160,15 @@ def _longbench(args, common):
     from .generation import run_longbench
 
     return run_longbench(args.model, args.tasks, data=args.data, limit=args.limit, max_prompt_tokens=args.max_prompt_tokens,
-                         prompt_file=args.prompt_file, **common)
+                         prompt_file=args.prompt_file, cache_options=parse_cache_options(args.cache_options), **common)
 
 
 def _leval(args, common):
     from .generation import run_leval
 
     return run_leval(args.model, args.tasks, data=args.data, limit=args.limit, max_prompt_tokens=args.max_prompt_tokens,
-                     max_new_tokens=args.max_new_tokens, prefix_reuse=not args.no_prefix_reuse, **common)
+                     max_new_tokens=args.max_new_tokens, prefix_reuse=not args.no_prefix_reuse,
+                     cache_options=parse_cache_options(args.cache_options), **common)
 
 
 def _evaluate(run, args) -> int:

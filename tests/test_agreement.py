@@ -1,11 +1,12 @@
-"""`flexicache eval agreement` (eval/agreement.py) on hand-made run folders (no model)."""
+"""`flexicache eval agreement` (eval/agreement.py) on hand-made run folders, and `--cache-options` of
+`flexicache eval leval|longbench` (tiny model from conftest's `model_folder`, fixture data, no network)."""
 
 import json
 from pathlib import Path
 
 import pytest
 
-from fc_hf.eval import cli
+from fc_hf.eval import cli, generation
 from fc_hf.eval.agreement import agreement_stats, agreement_table, answer_f1, pair_rows
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -152,4 +153,42 @@ def test_cli_prints_and_writes_the_table(root, capsys):
     assert "| financial_qa | quest-b64 | 3 | 0.333 / 0.500 | 0.667 [" in text
     assert "| **all** (2 tasks) | quest-b64 | 5 | 0.600 / 0.500 | 1.200 [" in text
     assert cli.main(["agreement", "--results", str(root), "--bench", "longbench"]) == 1  # nothing to compare
+
+
+def _folders(out: Path, bench: str, task: str) -> dict[str, dict]:
+    return {p.name: json.loads((p / "config.json").read_text()) for p in sorted((out / bench).glob(f"*/{task}/*"))}
+
+
+def test_leval_and_longbench_cli_pass_cache_options_to_every_non_dense_cache(model_folder, tmp_path, monkeypatch):
+    made = []
+    real = generation.make_cache
+
+    def spy(method, model, budget=1024, profile=None, base=None, **kw):
+        made.append((method, base.page_size, base.rerank_interval))
+        return real(method, model, budget, profile, base=base, **kw)
+
+    monkeypatch.setattr(generation, "make_cache", spy)
+    common = ["--model", str(model_folder), "--methods", "dense,quest", "--budgets", "64", "--out", str(tmp_path),
+              "--max-prompt-tokens", "400", "--limit", "1"]
+    leval_args = ["leval", *common, "--data", str(FIXTURES / "leval"), "--tasks", "multidoc_qa", "--max-new-tokens", "2"]
+    assert cli.main([*leval_args, "--cache-options", "page_size=8,rerank_interval=4"]) == 0
+    assert ("quest", 8, 4) in made and all(m == "dense" or (p, r) == (8, 4) for m, p, r in made)
+    runs = _folders(tmp_path, "leval", "multidoc_qa")
+    assert set(runs) == {"dense", "quest-b64-page_size=8-rerank_interval=4"}
+    quest = runs["quest-b64-page_size=8-rerank_interval=4"]
+    assert quest["cache_options"] == {"page_size": 8, "rerank_interval": 4} and quest["cache_defaults"]["page_size"] == 8
+    assert "cache_options" not in runs["dense"] and runs["dense"]["cache_defaults"]["page_size"] == 16
+
+    # without options: a folder of its own for quest, the same dense folder (its answer is not redone)
+    made.clear()
+    assert cli.main(leval_args) == 0
+    assert set(_folders(tmp_path, "leval", "multidoc_qa")) == {"dense", "quest-b64", "quest-b64-page_size=8-rerank_interval=4"}
+    assert [m for m, _, _ in made] == ["quest"] and made[0][1] == 16
+    dense_rows = (tmp_path / "leval" / model_folder.name / "multidoc_qa" / "dense" / "predictions.jsonl").read_text()
+    assert dense_rows.count("\n") == 1
+    assert {r["run"] for r in agreement_table(tmp_path, "leval")} == {"quest-b64", "quest-b64-page_size=8-rerank_interval=4"}
+
+    assert cli.main(["longbench", *common, "--data", str(FIXTURES / "longbench"), "--tasks", "passage_count",
+                     "--cache-options", "page_size=8"]) == 0
+    assert set(_folders(tmp_path, "longbench", "passage_count")) == {"dense", "quest-b64-page_size=8"}
 
