@@ -17,6 +17,9 @@ Suites (run any subset; `all` runs every one):
 - `memory`: device KV bytes against context length with the analytic limit (Fig. 9), see
   `memory.py`.
 - `promotion`: promoted bytes per re-rank on the real SmolLM2 (Table 7), see `memory.py`.
+- `ops`: kernel-launching aten ops (and Triton launches) and host syncs per decode step and per layer, for
+  dense, Quest and FlexiCache on the torch and Triton backends, SmolLM2 and Llama-8B attention shapes; a
+  Markdown table in `<out>/ops.md`, see `ops.py`. Counts, not timings: it runs on a loaded machine too.
 - `report`: plots (PNG) and `benchmarks.md` from the JSON files in `--out`.
 
 Every group of timed cases runs in its own subprocess (one model build, then the cases in turn), so
@@ -25,6 +28,7 @@ from one run on a quiet machine: the JSON records the load average at the start 
 
     flexicache bench decode prefill batch memory promotion report --out results/bench
     flexicache bench decode --smoke --out /tmp/b          # seconds, for testing the suite
+    flexicache bench ops --out results/bench              # decode-step op counts (issue 17)
 """
 
 from __future__ import annotations
@@ -34,11 +38,11 @@ import json
 import sys
 from pathlib import Path
 
-from . import decode, memory, report
+from . import decode, memory, ops, report
 
 __all__ = ["main", "SUITES"]
 
-SUITES = ("decode", "prefill", "batch", "rerank", "memory", "promotion", "report")
+SUITES = ("decode", "prefill", "batch", "rerank", "memory", "promotion", "ops", "report")
 METHODS = ("dense", "quest", "flexicache")
 SUITE_RUNNERS = {
     "decode": decode.suite_decode,
@@ -47,6 +51,7 @@ SUITE_RUNNERS = {
     "rerank": decode.suite_rerank,
     "memory": memory.suite_memory,
     "promotion": memory.suite_promotion,
+    "ops": ops.suite_ops,
 }
 
 
@@ -71,6 +76,17 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--promotion-prompt", type=int, default=6000, help="promotion suite: prompt tokens (real SmolLM2)")
     p.add_argument("--promotion-new", type=int, default=512, help="promotion suite: generated tokens")
     p.add_argument("--promotion-budgets", default="1024,2048", help="promotion suite budgets")
+    p.add_argument("--ops-shapes", default="smollm2,llama8b", help="ops suite: attention shapes (smollm2, llama8b, tiny)")
+    p.add_argument("--ops-backends", default="torch,triton", help="ops suite: kernel backends (torch, triton)")
+    p.add_argument("--ops-budget", type=int, default=1024, help="ops suite: token budget")
+    p.add_argument("--ops-prompt", type=int, default=4104, help="ops suite: context tokens before the first decode step")
+    p.add_argument("--ops-steps", type=int, default=32, help="ops suite: decode steps counted (step 1 apart)")
+    p.add_argument("--ops-triton-prompt", type=int, default=1032,
+                   help="ops suite, Triton rows: context tokens (the interpreter is slow; same structure as the torch rows)")
+    p.add_argument("--ops-triton-budget", type=int, default=256, help="ops suite, Triton rows: token budget")
+    p.add_argument("--ops-triton-steps", type=int, default=16, help="ops suite, Triton rows: decode steps counted")
+    p.add_argument("--residency-check", action="store_true",
+                   help="ops suite: keep FlexiCache's residency check on (a host sync per head group; off on CUDA)")
     p.add_argument("--threads", type=int, default=0, help="torch threads in the workers (0: torch's default)")
     p.add_argument("--timeout", type=int, default=1800, help="seconds allowed per subprocess group")
     return p
@@ -80,6 +96,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "_worker":
         return decode.worker(json.loads(argv[1]))
+    if argv and argv[0] == "_ops_worker":
+        return ops.worker(json.loads(argv[1]))
     parser = _parser()
     args = parser.parse_args(argv)
     suites = list(SUITES) if "all" in args.suites else args.suites
@@ -89,7 +107,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.smoke:  # tiny sizes, except where the command line chose a value
         smoke = dict(models="tiny", lengths="256,512", batches="1,2", budgets="64,128", steps=4, prefill_lengths="128",
-                     batch_length="256", batch_sizes="1,2", memory_lengths="256,512", promotion_budgets="64")
+                     batch_length="256", batch_sizes="1,2", memory_lengths="256,512", promotion_budgets="64",
+                     ops_shapes="tiny", ops_budget=64, ops_prompt=136, ops_steps=16, ops_triton_budget=64,
+                     ops_triton_prompt=136)
         for key, value in smoke.items():
             if getattr(args, key) == parser.get_default(key):
                 setattr(args, key, value)

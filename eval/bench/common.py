@@ -36,6 +36,11 @@ SHAPES = {
         vocab_size=256, hidden_size=72, intermediate_size=64, num_hidden_layers=30, num_attention_heads=9,
         num_key_value_heads=3, head_dim=64, tie_word_embeddings=True, rope_theta=100000.0,
     ),
+    # Llama-3.1-8B's attention shape (32 / 8 heads x 128) with a tiny hidden/MLP size: `flexicache bench ops`.
+    "llama8b-tiny": dict(
+        vocab_size=256, hidden_size=128, intermediate_size=64, num_hidden_layers=2, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=128, tie_word_embeddings=True, rope_theta=500000.0,
+    ),
     # For smoke tests only.
     "tiny": dict(
         vocab_size=97, hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,

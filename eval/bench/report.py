@@ -409,5 +409,22 @@ def write_report(out: Path, docs: Path) -> Path:
         if "promotion_fraction.png" in plots:
             md += ["![promotion](bench/promotion_fraction.png)", ""]
     path = docs / "benchmarks.md"
-    path.write_text("\n".join(md) + "\n")
+    kept = kept_sections(path.read_text()) if path.exists() else []
+    path.write_text("\n".join(md + kept) + "\n")
     return path
+
+
+# Sections of benchmarks.md written by hand (tables from other suites, before/after comparisons): a
+# regenerated report carries them over unchanged.
+KEPT_SECTIONS = ("## Decode-step ops",)
+
+
+def kept_sections(text: str) -> list[str]:
+    """The lines of every `KEPT_SECTIONS` section of an existing benchmarks.md (heading to the next `## `)."""
+    out, keep = [], False
+    for line in text.splitlines():
+        if line.startswith("## "):
+            keep = line.startswith(KEPT_SECTIONS)
+        if keep:
+            out.append(line)
+    return out

@@ -1,0 +1,460 @@
+"""`flexicache bench ops`: kernel-launching operations and host syncs per decode step and per layer.
+
+A decode step is counted with a `TorchDispatchMode` that sees every aten op the step issues, plus a
+counter around every Triton kernel launch. On a GPU in eager mode each counted op is (at least) one
+kernel launch, so these counts are what the step costs in launches, whatever the device it ran on.
+
+What counts as an op (the rule):
+- an aten op counts unless it is a *view or metadata-only op*: every output of its schema aliases an
+  input without writing to it (`view`, `_reshape_alias`, `expand`, `as_strided`, `slice`, `select`, `narrow`,
+  `t`, `transpose`, `permute`, `unsqueeze`, `squeeze`, `detach`, `alias`, `split`, `unbind`, `lift_fresh`, ...;
+  `reshape`/`contiguous`/`.float()` on a tensor that needs no copy reach the dispatcher as such a view or
+  not at all), or one that only allocates or re-labels memory: `_unsafe_view`, `empty`, `empty_strided`,
+  `new_empty`, `new_empty_strided`, `empty_like`, `resize_`, `set_`;
+- everything else counts once per call: compute, copies (`clone`, `copy_`, `_to_copy`), fills (`zeros`,
+  `fill_`, `arange`), in-place and `out=` ops (`index_copy_`, `index_select.out`), and the sync-causing ops below;
+- a Triton kernel launch counts once (`kernel[grid](...)`); the aten ops the Triton interpreter issues
+  to run it on a CPU are not counted.
+
+Host syncs (a subset of the ops, counted apart per step): the aten ops that make the host wait for the
+device - `_local_scalar_dense` (`.item()`, `int(t)`, `float(t)`, `bool(t)`, `if t.any():`), `nonzero`,
+`masked_select`, `unique*`, `repeat_interleave` with tensor repeats and no `output_size`, `index`/`index_put`
+with a bool or uint8 index (a mask: its nonzero is taken on the device), and copies from a CUDA tensor
+to the CPU (`_to_copy`, `copy_`); plus `Tensor.tolist()` calls (patched for the count; `.tolist()` of a
+CPU tensor issues no aten op). On a CPU run a device -> host copy cannot be told apart from any other
+copy (both tensors are CPU tensors), so it is not counted there; everything else is.
+
+Methods: dense (`DynamicCache` + sdpa), quest (FlexiCache, `profile=None`: every head re-ranked every
+step, one tier) and flexicache (the shipped profile for SmolLM2's shape, else `common.spread_profile` with
+`--unstable-fraction`), batch 1, fp32, budget 1024, pages of 16, R = 16. The models are random-weight
+Llamas with the attention shape of SmolLM2-135M (30 layers, 9 query / 3 KV heads, head_dim 64: all its
+layers, so the shipped profile fits) or Llama-3.1-8B (32 / 8 heads, head_dim 128, 2 layers), with a tiny
+hidden size, MLP and vocabulary: op counts do not depend on those sizes. The prompt's K/V is written
+straight into the cache (`common.ingest_random_kv`), 4096 + 8 tokens, so the page being filled fills at
+step 8 + 16 k and a new page opens the step after, never on a re-rank step.
+
+Steps 2 .. 2R are counted (step 1, the first ranking that drops the prompt's pages, is reported apart)
+and classified: `rerank` (step % R == 0: FlexiCache's stable heads re-rank; promotions), `page` (a page
+fills or a new one opens), `plain` (neither: the steady state, 12 of every 16 steps here). Per layer-step
+= the ops inside the decoder layers divided by their number; "cache + attention" is the part inside
+`cache.update` and the attention function (projections, norms, RoPE and MLP excluded); the ops outside
+the decoder layers (embedding, masks, final norm, LM head, argmax) are reported per step.
+The FlexiCache residency check (a host sync per head group) runs with CUDA's default (off), unless
+`--residency-check`. The Triton rows run the kernels under the Triton interpreter in a subprocess
+(`TRITON_INTERPRET=1`); there the decode kernel splits each row's pages for 4 programs (on a GPU for
+2 programs per SM), so it launches its combine kernel only where a GPU would too when the rows are few.
+
+    flexicache bench ops --out results/bench             # table in results/bench/ops.md, data in ops.json
+    flexicache bench ops --smoke --out /tmp/b            # tiny model and context, seconds
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from fc_hf.compat import cache_kwarg
+
+from ..methods import make_cache, prepare_model
+from .common import bench_profile, build_model, decode_step, environment, ingest_random_kv, log, model_config, write_json
+
+__all__ = ["OpCounter", "count_case", "worker", "suite_ops", "markdown_table", "is_counted", "sync_kind"]
+
+# Ops that only allocate or re-label memory (no kernel), beyond those whose schema marks them as views.
+_NOT_LAUNCHING = frozenset({
+    "_unsafe_view", "empty", "empty_strided", "new_empty", "new_empty_strided", "empty_like", "resize_", "set_",
+    "sym_size", "sym_stride", "sym_numel", "sym_storage_offset", "is_same_size",
+})
+_SYNC_OPS = frozenset({"_local_scalar_dense", "nonzero", "masked_select", "_unique", "_unique2", "unique_dim",
+                       "unique_consecutive"})
+
+# The shapes of the suite: attention exactly as the named model, tiny hidden/MLP/vocabulary.
+OPS_SHAPES = {
+    "smollm2": ("smollm2-tiny", None),  # 30 layers: all of SmolLM2-135M's, so the shipped profile fits
+    "llama8b": ("llama8b-tiny", 2),
+    "tiny": ("tiny", None),
+}
+
+
+def _packet(func) -> str:
+    return func.overloadpacket.__name__
+
+
+def is_counted(func) -> bool:
+    """Whether an aten op launches work (see the module docstring's rule): not a view, not allocation-only."""
+    name = _packet(func)
+    if name in _NOT_LAUNCHING:
+        return False
+    rets = func._schema.returns
+    if rets and all(r.alias_info is not None and not r.alias_info.is_write for r in rets):
+        return False  # a view: every output aliases an input, nothing written
+    return True
+
+
+def _is_mask(t) -> bool:
+    return isinstance(t, torch.Tensor) and t.dtype in (torch.bool, torch.uint8)
+
+
+def sync_kind(func, args, kwargs) -> str | None:
+    """The name under which this aten call is counted as a host sync, or None."""
+    name = _packet(func)
+    if name in _SYNC_OPS:
+        return name
+    if name == "repeat_interleave" and args and isinstance(args[0], torch.Tensor) and (
+            len(args) < 2 or isinstance(args[1], torch.Tensor)) and kwargs.get("output_size") is None:
+        return "repeat_interleave(tensor)"
+    if name in ("index", "index_put", "index_put_", "_index_put_impl_") and len(args) > 1:
+        if any(_is_mask(i) for i in (args[1] or ())):
+            return f"{name}(bool mask)"
+    if name in ("_to_copy", "copy_"):
+        src = args[1] if name == "copy_" else args[0]
+        dst_device = kwargs.get("device") if name == "_to_copy" else args[0].device
+        if isinstance(src, torch.Tensor) and src.device.type != "cpu" and dst_device is not None and (
+                torch.device(dst_device).type == "cpu"):
+            return "device->host copy"
+    return None
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts kernel-launching aten ops (and host syncs) by region while active.
+
+    The region is `("layer", i, part)` inside decoder layer i (part: "cache" inside `cache.update`,
+    "attn" inside the attention function, "rest" elsewhere in the layer) or `("outside",)`.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.layer: int | None = None
+        self.part = "rest"
+        self.paused = 0
+        self.reset()
+
+    def reset(self):
+        self.ops: Counter = Counter()  # region -> ops
+        self.by_op: Counter = Counter()  # op name -> count, inside decoder layers only
+        self.syncs: Counter = Counter()  # sync kind -> count (whole step)
+        self.triton: Counter = Counter()  # Triton kernel name -> launches, by region part
+        self.triton_regions: Counter = Counter()
+
+    def region(self):
+        return ("outside",) if self.layer is None else ("layer", self.layer, self.part)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if not self.paused and is_counted(func):
+            region = self.region()
+            self.ops[region] += 1
+            if self.layer is not None:
+                self.by_op[_packet(func)] += 1
+            kind = sync_kind(func, args, kwargs)
+            if kind is not None:
+                self.syncs[kind] += 1
+        return func(*args, **kwargs)
+
+    def count_tolist(self):
+        if not self.paused:
+            self.syncs["tolist"] += 1
+
+    def count_triton(self, name: str):
+        self.triton[name] += 1
+        self.triton_regions[self.region()] += 1
+
+    @contextlib.contextmanager
+    def part_of_layer(self, part: str):
+        old, self.part = self.part, part
+        try:
+            yield
+        finally:
+            self.part = old
+
+    @contextlib.contextmanager
+    def pause(self):
+        self.paused += 1
+        try:
+            yield
+        finally:
+            self.paused -= 1
+
+
+@contextlib.contextmanager
+def _instrumented(model, cache, counter: OpCounter):
+    """Decoder-layer hooks, `cache.update` and the attention functions report their region to `counter`;
+    `Tensor.tolist` and Triton launches are counted. Everything is restored on exit."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    handles = []
+    for i, layer in enumerate(model.model.layers):
+        def enter(_mod, _args, i=i):
+            counter.layer = i
+
+        def leave(_mod, _args, _out):
+            counter.layer = None
+
+        handles.append(layer.register_forward_pre_hook(enter))
+        handles.append(layer.register_forward_hook(leave))
+
+    original_update = cache.update
+
+    def update(*args, **kwargs):
+        with counter.part_of_layer("cache"):
+            return original_update(*args, **kwargs)
+
+    cache.update = update
+    impl = model.config._attn_implementation
+    original_attn = ALL_ATTENTION_FUNCTIONS[impl]
+
+    def attention(*args, **kwargs):
+        with counter.part_of_layer("attn"):
+            return original_attn(*args, **kwargs)
+
+    ALL_ATTENTION_FUNCTIONS.register(impl, attention)
+    original_tolist = torch.Tensor.tolist
+
+    def tolist(self, *a, **k):
+        counter.count_tolist()
+        return original_tolist(self, *a, **k)
+
+    torch.Tensor.tolist = tolist
+    restore_triton = _count_triton_launches(counter)
+    try:
+        yield
+    finally:
+        restore_triton()
+        torch.Tensor.tolist = original_tolist
+        ALL_ATTENTION_FUNCTIONS.register(impl, original_attn)
+        del cache.update
+        for h in handles:
+            h.remove()
+
+
+def _count_triton_launches(counter: OpCounter):
+    """Count every Triton kernel launch (compiled or interpreted), pausing the aten count inside it."""
+    if "triton" not in sys.modules:  # nothing can launch a Triton kernel without triton imported
+        return lambda: None
+    patched = []
+    classes = []
+    try:
+        from triton.runtime.jit import JITFunction
+
+        classes.append(JITFunction)
+    except ImportError:
+        pass
+    try:
+        from triton.runtime.interpreter import InterpretedFunction
+
+        classes.append(InterpretedFunction)
+    except ImportError:
+        pass
+    for cls in classes:
+        original = cls.run
+
+        def run(self, *args, grid, warmup, _original=original, **kwargs):
+            if warmup:
+                return _original(self, *args, grid=grid, warmup=warmup, **kwargs)
+            counter.count_triton(getattr(self, "__name__", "kernel"))
+            with counter.pause():
+                return _original(self, *args, grid=grid, warmup=warmup, **kwargs)
+
+        cls.run = run
+        patched.append((cls, original))
+
+    def restore():
+        for cls, original in patched:
+            cls.run = original
+
+    return restore
+
+
+def _step_kind(step: int, prompt: int, page_size: int, rerank: int) -> str:
+    if step == 1:
+        return "first"
+    if step % rerank == 0:
+        return "rerank"
+    length = prompt + step  # tokens after this step's append
+    if length % page_size == 0 or (length - 1) % page_size == 0:
+        return "page"  # the page being filled fills, or this token opens a new page
+    return "plain"
+
+
+def count_case(model, config, method: str, budget: int, prompt: int, steps: int, profile, backend: str = "torch",
+               residency_check: bool = False) -> dict:
+    """Count ops and syncs of decode steps 1..`steps` of `method` after a `prompt`-token random-K/V prefill."""
+    from fc_hf.config import FlexiCacheConfig
+
+    base = FlexiCacheConfig(backend=backend)
+    prepare_model(model, method)
+    kwarg = cache_kwarg(model)
+    layers = len(model.model.layers)
+    per_step = []
+    with torch.no_grad():
+        cache = make_cache(method, config, budget, profile, base=base, dense_cache=True)
+        if method != "dense":
+            cache.check_residency = residency_check
+        ingest_random_kv(cache, config, 1, prompt)
+        token = torch.randint(1, config.vocab_size, (1, 1), generator=torch.Generator().manual_seed(0))
+        counter = OpCounter()
+        with _instrumented(model, cache, counter):
+            for step in range(1, steps + 1):
+                counter.reset()
+                with counter:
+                    token = decode_step(model, cache, kwarg, token, prompt + step - 1)
+                layer_ops = sum(n for r, n in counter.ops.items() if r[0] == "layer")
+                part = Counter()
+                for r, n in counter.ops.items():
+                    if r[0] == "layer":
+                        part[r[2]] += n
+                tri_layer = sum(n for r, n in counter.triton_regions.items() if r[0] == "layer")
+                per_step.append({
+                    "step": step,
+                    "kind": _step_kind(step, prompt, base.page_size, base.rerank_interval),
+                    "layer_ops": layer_ops, "cache_ops": part["cache"], "attn_ops": part["attn"],
+                    "outside_ops": counter.ops[("outside",)],
+                    "triton_launches": sum(counter.triton.values()), "triton_layer_launches": tri_layer,
+                    "triton": dict(counter.triton),
+                    "syncs": dict(counter.syncs), "by_op": dict(counter.by_op),
+                })
+        del cache
+    return {"method": method, "budget": budget if method != "dense" else None, "backend": backend if method != "dense"
+            else "torch", "layers": layers, "prompt": prompt, "steps": per_step}
+
+
+def summarize(case: dict) -> dict:
+    """Per step kind: mean ops per layer-step (aten + Triton), cache+attention part, syncs per step."""
+    layers = case["layers"]
+    out = {}
+    groups = {}
+    for s in case["steps"]:
+        groups.setdefault(s["kind"], []).append(s)
+    period = [s for s in case["steps"] if s["step"] > 1]
+    rerank_steps = [s["step"] for s in case["steps"] if s["kind"] == "rerank"]
+    if rerank_steps:  # the last full re-rank period: R consecutive steps ending at a re-rank
+        r = rerank_steps[-1] - (rerank_steps[-2] if len(rerank_steps) > 1 else 0)
+        period = [s for s in case["steps"] if rerank_steps[-1] - r < s["step"] <= rerank_steps[-1]]
+    groups["period"] = period
+    for kind, steps in groups.items():
+        n = len(steps)
+        if not n:
+            continue
+        syncs = Counter()
+        by_op = Counter()
+        for s in steps:
+            syncs.update(s["syncs"])
+            by_op.update(s["by_op"])
+        out[kind] = {
+            "steps": n,
+            "ops_per_layer": sum(s["layer_ops"] + s["triton_layer_launches"] for s in steps) / n / layers,
+            "aten_per_layer": sum(s["layer_ops"] for s in steps) / n / layers,
+            "triton_per_layer": sum(s["triton_layer_launches"] for s in steps) / n / layers,
+            "cache_attn_per_layer": sum(s["cache_ops"] + s["attn_ops"] + s["triton_layer_launches"] for s in steps) / n / layers,
+            "outside_per_step": sum(s["outside_ops"] for s in steps) / n,
+            "syncs_per_step": sum(syncs.values()) / n,
+            "sync_kinds": {k: v / n for k, v in sorted(syncs.items())},
+            "top_ops_per_layer": {k: round(v / n / layers, 2) for k, v in by_op.most_common(25)},
+            "min_ops_per_layer": min(s["layer_ops"] + s["triton_layer_launches"] for s in steps) / layers,
+            "max_ops_per_layer": max(s["layer_ops"] + s["triton_layer_launches"] for s in steps) / layers,
+        }
+    return out
+
+
+def worker(spec: dict) -> int:
+    """Count the cases of one (shape, backend) group; print one JSON line per case."""
+    torch.set_num_threads(1)
+    shape, layers = OPS_SHAPES[spec["shape"]]
+    config = model_config(shape, max_positions=spec["prompt"] + spec["steps"] + 64, layers=layers)
+    model = build_model(config)
+    profile, label = bench_profile(config, spec["unstable_fraction"], prefer_shipped=spec["shape"] == "smollm2")
+    for method in spec["methods"]:
+        if spec["backend"] == "triton" and method == "dense":
+            continue
+        case = count_case(model, config, method, spec["budget"], spec["prompt"], spec["steps"],
+                          profile if method == "flexicache" else None, spec["backend"], spec["residency_check"])
+        case.update(shape=spec["shape"], profile=label if method == "flexicache" else None,
+                    summary=summarize(case), env=environment())
+        print(json.dumps(case), flush=True)
+    return 0
+
+
+def _run_worker(spec: dict, timeout: int) -> list[dict]:
+    env = dict(os.environ)
+    if spec["backend"] == "triton" and not torch.cuda.is_available():
+        env["TRITON_INTERPRET"] = "1"  # must be set before triton is imported: a fresh interpreter
+    cmd = [sys.executable, "-m", "fc_hf.eval.bench", "_ops_worker", json.dumps(spec)]
+    try:
+        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=None, text=True, timeout=timeout, env=env)
+        stdout, rc = proc.stdout, proc.returncode
+    except subprocess.TimeoutExpired as e:
+        stdout, rc = (e.stdout.decode() if isinstance(e.stdout, bytes) else e.stdout) or "", "timeout"
+    results = [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
+    if rc != 0:
+        log(f"bench ops: worker {spec['shape']} {spec['backend']} ended with {rc}; kept {len(results)} results")
+    return results
+
+
+def _fmt(x, digits=1) -> str:
+    return "–" if x is None else f"{x:.{digits}f}"
+
+
+def markdown_table(results: list[dict], kinds=("plain", "rerank", "period")) -> str:
+    """One row per shape × method × backend × step kind: ops per layer-step, ratios to dense, syncs per step."""
+    dense = {(r["shape"]): r["summary"] for r in results if r["method"] == "dense"}
+    head = ["shape", "method", "backend", "step", "ops / layer-step", "× dense", "cache + attention ops / layer-step",
+            "× dense", "of which Triton launches", "syncs / step"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    order = {"dense": 0, "quest": 1, "flexicache": 2}
+    for r in sorted(results, key=lambda r: (r["shape"] != "smollm2", r["shape"], order.get(r["method"], 9),
+                                            r["backend"] != "torch")):
+        for kind in kinds:
+            s = r["summary"].get(kind)
+            if s is None:
+                continue
+            d = dense.get(r["shape"], {}).get(kind)
+            ratio = s["ops_per_layer"] / d["ops_per_layer"] if d else None
+            ratio_ca = s["cache_attn_per_layer"] / d["cache_attn_per_layer"] if d and d["cache_attn_per_layer"] else None
+            backend = r["backend"] + (" (interpreter)" if r["backend"] == "triton" and r["env"].get("gpu") is None else "")
+            syncs = _fmt(s["syncs_per_step"], 1)
+            if s["sync_kinds"]:
+                syncs += " (" + ", ".join(f"{k} {v:g}" for k, v in s["sync_kinds"].items()) + ")"
+            lines.append("| " + " | ".join([
+                r["shape"], r["method"], backend if r["method"] != "dense" else "torch (sdpa)", kind,
+                _fmt(s["ops_per_layer"]), _fmt(ratio, 2) + "×" if ratio else "–", _fmt(s["cache_attn_per_layer"]),
+                _fmt(ratio_ca, 2) + "×" if ratio_ca else "–",
+                _fmt(s["triton_per_layer"]) if r["backend"] == "triton" else "–", syncs,
+            ]) + " |")
+    return "\n".join(lines)
+
+
+def suite_ops(args, out: Path) -> list[dict]:
+    shapes = [s for s in args.ops_shapes.split(",") if s]
+    backends = [b for b in args.ops_backends.split(",") if b]
+    methods = [m for m in args.methods.split(",") if m]
+    results = []
+    for shape in shapes:
+        for backend in backends:
+            tri = backend == "triton"
+            spec = {"shape": shape, "backend": backend, "methods": methods,
+                    "budget": args.ops_triton_budget if tri else args.ops_budget,
+                    "prompt": args.ops_triton_prompt if tri else args.ops_prompt,
+                    "steps": args.ops_triton_steps if tri else args.ops_steps,
+                    "unstable_fraction": args.unstable_fraction, "residency_check": args.residency_check}
+            log(f"bench ops: {shape} {backend} ({', '.join(methods)})")
+            results.extend(_run_worker(spec, args.timeout))
+    table = markdown_table(results)
+    env = environment()
+    header = (f"Decode-step ops (`flexicache bench ops`), batch 1, fp32, budget {args.ops_budget}, context "
+              f"{args.ops_prompt} tokens, {args.ops_steps} steps after the first; torch {env['torch']}, transformers "
+              f"{env['transformers']}.")
+    if "triton" in backends:
+        header += (f" Triton rows (interpreted: slow) at budget {args.ops_triton_budget}, context {args.ops_triton_prompt}, "
+                   f"{args.ops_triton_steps} steps: the same structure (more pages than the budget, one re-rank).")
+    write_json(out / "ops.json", {"suite": "ops", "env": env, "argv": sys.argv[1:], "results": results})
+    (out / "ops.md").write_text(header + "\n\n" + table + "\n")
+    print(header + "\n\n" + table)
+    return results

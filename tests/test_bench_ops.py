@@ -1,0 +1,96 @@
+"""`flexicache bench ops` counts what it says: kernel-launching aten ops (views left out) and host syncs.
+
+Smoke size (a 2-layer tiny model, a 136-token context): counts only, no timing.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fc_hf.eval.bench import common as bench_common
+from fc_hf.eval.bench import ops as bench_ops
+from fc_hf.head_group import HeadGroup
+
+PROMPT, BUDGET, STEPS = 136, 64, 16  # 8.5 pages of 16, 4 pages of budget, one re-rank at step 16
+
+
+def test_views_and_allocations_are_not_counted_compute_and_syncs_are():
+    x = torch.randn(4, 3)
+    with bench_ops.OpCounter() as c:
+        y = x.view(3, 4).t().unsqueeze(0).expand(2, 4, 3)[:, 1]  # views only
+        torch.empty(5)
+        z = y + 1  # 1
+        torch.index_select(x, 0, torch.tensor([0, 2]), out=torch.empty(2, 3))  # lift_fresh (a view) + index_select.out
+        z.sum().item()  # sum + _local_scalar_dense (a sync)
+        x[x > 0]  # gt + index with a bool mask (a sync)
+        x.nonzero()  # a sync
+    assert c.ops[("outside",)] == 7
+    assert dict(c.syncs) == {"_local_scalar_dense": 1, "index(bool mask)": 1, "nonzero": 1}
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    config = bench_common.model_config("tiny", max_positions=1024)
+    model = bench_common.build_model(config)
+    profile = bench_common.spread_profile(config, 0.25)
+    return model, config, profile
+
+
+def _case(tiny, method):
+    model, config, profile = tiny
+    case = bench_ops.count_case(model, config, method, BUDGET, PROMPT, STEPS, profile if method == "flexicache" else None)
+    case.update(shape="tiny", profile=None, summary=bench_ops.summarize(case), env={})
+    return case
+
+
+def test_counts_per_method_and_step_kind(tiny):
+    cases = {m: _case(tiny, m) for m in ("dense", "quest", "flexicache")}
+    kinds = [s["kind"] for s in cases["dense"]["steps"]]
+    # 136 + 8 = 144 fills page 8 at step 8; step 9 opens page 9; step 16 re-ranks the stable heads.
+    assert kinds[0] == "first" and kinds[7] == kinds[8] == "page" and kinds[15] == "rerank"
+    assert kinds.count("plain") == 12
+    s = {m: c["summary"] for m, c in cases.items()}
+    assert 0 < s["dense"]["plain"]["ops_per_layer"] < s["quest"]["plain"]["ops_per_layer"]
+    assert s["dense"]["plain"]["cache_attn_per_layer"] > 0
+    assert s["flexicache"]["rerank"]["ops_per_layer"] > s["flexicache"]["plain"]["ops_per_layer"]
+    # The steady state issues no host sync (CUDA's defaults: residency check off).
+    for m in ("dense", "quest", "flexicache"):
+        assert s[m]["plain"]["syncs_per_step"] == 0, (m, s[m]["plain"]["sync_kinds"])
+    assert all(c["steps"][0]["outside_ops"] > 0 for c in cases.values())
+    table = bench_ops.markdown_table(list(cases.values()))
+    assert "| tiny | flexicache | torch | plain |" in table and "1.00×" in table
+
+
+def test_a_planted_item_is_counted_once_per_group_and_layer(tiny, monkeypatch):
+    original = HeadGroup.attend
+
+    def attend(self, query, *args, **kwargs):
+        query.sum().item()  # a host sync on every decode step of every head group
+        return original(self, query, *args, **kwargs)
+
+    monkeypatch.setattr(HeadGroup, "attend", attend)
+    case = _case(tiny, "flexicache")
+    _, config, profile = tiny
+    groups = sum(1 + (0 < len([h for l, h in profile.unstable if l == layer]) < config.num_key_value_heads)
+                 for layer in range(config.num_hidden_layers))
+    plain = case["summary"]["plain"]
+    assert plain["sync_kinds"] == {"_local_scalar_dense": groups}
+
+
+def test_residency_check_shows_up_as_syncs(tiny):
+    model, config, _ = tiny
+    case = bench_ops.count_case(model, config, "quest", BUDGET, PROMPT, 4, None, residency_check=True)
+    assert [s["syncs"].get("_local_scalar_dense", 0) for s in case["steps"][1:]] == [config.num_hidden_layers] * 3
+
+
+def test_regenerated_report_keeps_the_ops_section(tmp_path):
+    from fc_hf.eval.bench import report as bench_report
+
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "benchmarks.md").write_text("# old\n\n## Decode throughput\n\nold table\n\n## Decode-step ops (issue 17)\n\n"
+                                        "| a | b |\n|---|---|\n\n## Prefill\n\nold\n")
+    text = bench_report.write_report(tmp_path / "empty", docs).read_text()
+    assert "## Decode-step ops (issue 17)\n\n| a | b |" in text
+    assert "old table" not in text and text.count("## Decode-step ops") == 1
