@@ -73,6 +73,9 @@ class PagedKV:
         self.page_means = torch.zeros(self.rows, 0, head_dim + value_dim, dtype=dtype, device=device) if page_means else None
         self.host_k = self.host_v = None
         self.host_pages = 0  # full pages written to the host tier
+        # Bumped on every write to `table`; caches of its entries (here and in `HeadGroup`) are keyed on it.
+        self.table_version = 0
+        self._write_slots: tuple | None = None  # (page, table_version, slots [N]) of the page being filled
         self.counters = {"pages_offloaded": 0, "bytes_offloaded": 0, "pages_promoted": 0, "bytes_promoted": 0}
 
     # -- sizes ---------------------------------------------------------------------------------
@@ -170,6 +173,7 @@ class PagedKV:
         new_v[1 : 1 + count] = self.v_pool[old_slots]
         table[resident] = torch.arange(1, 1 + count, device=self.device)
         self.k_pool, self.v_pool, self.table = new_k, new_v, table
+        self.table_changed()
         self.free = torch.arange(1 + count, 1 + count + spare, device=self.device).flip(0)
         self.n_free = spare
 
@@ -184,13 +188,35 @@ class PagedKV:
         if new_pages > old_pages:
             slots = self._alloc((new_pages - old_pages) * self.rows)
             self.table[:, old_pages:new_pages] = slots.view(new_pages - old_pages, self.rows).t()
-        pos = torch.arange(start, start + t, device=self.device)
-        flat = self.table[:, pos // self.page_size] * self.page_size + (pos % self.page_size)  # [N, T]
-        self.k_pool.view(-1, self.head_dim).index_copy_(0, flat.reshape(-1), keys.reshape(-1, self.head_dim))
-        self.v_pool.view(-1, self.value_dim).index_copy_(0, flat.reshape(-1), values.reshape(-1, self.value_dim))
+            self.table_changed()
+        if t == 1:  # a decode step: one token per row, into the page being filled at offset `off`
+            page, off = divmod(start, self.page_size)
+            slots = self._page_slots(page)
+            for pool, src in ((self.k_pool, keys), (self.v_pool, values)):
+                if src.is_contiguous():
+                    pool.select(1, off).index_copy_(0, slots, src.view(-1, src.shape[-1]))
+                else:  # a span of a batch's heads: written as it lies, without a copy into rows first
+                    pool.select(1, off).index_put_((slots.view(src.shape[0], src.shape[1]),), src.select(2, 0))
+        else:
+            pos = torch.arange(start, start + t, device=self.device)
+            flat = self.table[:, pos // self.page_size] * self.page_size + (pos % self.page_size)  # [N, T]
+            self.k_pool.view(-1, self.head_dim).index_copy_(0, flat.reshape(-1), keys.reshape(-1, self.head_dim))
+            self.v_pool.view(-1, self.value_dim).index_copy_(0, flat.reshape(-1), values.reshape(-1, self.value_dim))
         self.length = start + t
         if self.full_pages > old_full:
             self._pages_filled(old_full, self.full_pages)
+
+    def table_changed(self) -> None:
+        """Call after writing `table` (anything that caches its entries re-reads them)."""
+        self.table_version += 1
+
+    def _page_slots(self, page: int) -> torch.Tensor:
+        """`table[:, page]` as a contiguous `[N]` tensor, read once per page (and again after a table write)."""
+        cached = self._write_slots
+        if cached is None or cached[0] != page or cached[1] != self.table_version:
+            cached = (page, self.table_version, self.table[:, page].contiguous())
+            self._write_slots = cached
+        return cached[2]
 
     def _pages_filled(self, first: int, end: int) -> None:
         """Pages `[first, end)` just became full: write their MinMax entries and their host copies."""

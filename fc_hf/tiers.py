@@ -30,6 +30,7 @@ def move_tiers(store, old_pages: torch.Tensor, new_sel: torch.Tensor) -> int:
     rows = torch.arange(store.rows, device=store.device)[:, None]
     store.table[rows.expand_as(old_pages), old_pages] = 0
     store.table[rows.expand_as(new_sel), new_sel] = new_slots
+    store.table_changed()
     store.release(freed)
     store.promote(p_rows, p_pages, p_slots)
     return int(p_rows.numel())
