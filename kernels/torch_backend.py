@@ -32,7 +32,13 @@ def bounds_per_head(query: torch.Tensor, meta: torch.Tensor, entries: int) -> to
     `[N, G, D]`, `[N, >=E, 2D]` (packed `[kmax, kmin]`) -> `[N, G, E]`: `relu(q).kmax + min(q,0).kmin` as one matmul.
     """
     q = query.float()
-    q2 = torch.cat([q.clamp(min=0), q.clamp(max=0)], dim=-1)  # [N, G, 2D]
+    if torch.is_grad_enabled() and q.requires_grad:  # out= below does not record autograd
+        q2 = torch.cat([q.clamp(min=0), q.clamp(max=0)], dim=-1)
+    else:  # the same two clamps written straight into one [N, G, 2D] buffer: no concatenation op
+        d = q.shape[-1]
+        q2 = q.new_empty(*q.shape[:-1], 2 * d)
+        torch.clamp(q, min=0, out=q2[..., :d])
+        torch.clamp(q, max=0, out=q2[..., d:])
     return torch.matmul(q2, meta[:, :entries].float().transpose(1, 2))
 
 
@@ -102,6 +108,13 @@ def select_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
     return torch.topk(scores, k, dim=-1, sorted=False).indices
 
 
+def past_end_table(seq_len: int, page_size: int, device) -> torch.Tensor:
+    """`[ceil(seq_len / P), P]` bool: True for the positions of each page at or past `seq_len` (only the last
+    page has any). Row `p` of it is the mask of page `p`'s tokens for a sequence of `seq_len` tokens."""
+    pages = -(-seq_len // page_size)
+    return (torch.arange(pages * page_size, device=device) >= seq_len).view(pages, page_size)
+
+
 def token_mask(
     page_idx: torch.Tensor,
     page_size: int,
@@ -155,8 +168,18 @@ class GatherWorkspace:
         torch.index_select(pool, 0, flat, out=out)
         return out
 
+    def past_end(self, seq_len: int, page_size: int, device) -> torch.Tensor:
+        """`past_end_table(seq_len, page_size, device)`, built once per length: every layer and head group of
+        one decode step shares it (only the latest length is kept)."""
+        key = ("past_end", page_size, torch.device(device), torch.is_inference_mode_enabled())
+        cached = self._buffers.get(key)
+        if cached is None or cached[0] != seq_len:
+            cached = (seq_len, past_end_table(seq_len, page_size, device))
+            self._buffers[key] = cached
+        return cached[1]
+
     def nbytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self._buffers.values())
+        return sum(b.numel() * b.element_size() for b in self._buffers.values() if isinstance(b, torch.Tensor))
 
     def clear(self) -> None:
         self._buffers.clear()
@@ -175,6 +198,7 @@ def sparse_decode_attention(
     softcap: float | None = None,
     workspace: GatherWorkspace | None = None,
     tail: tuple[torch.Tensor, torch.Tensor] | None = None,
+    in_range: bool = False,
 ) -> torch.Tensor:
     """Decode attention of each row's query heads over the tokens of its selected pages.
 
@@ -194,6 +218,11 @@ def sparse_decode_attention(
         workspace (`GatherWorkspace`, *optional*): reused gather buffers; None allocates fresh ones.
         tail (`tuple`, *optional*): `(logits [N, G, T], values [N, T, Dv])`: extra softmax terms (already
             scaled, -inf to skip) standing for unselected pages (`fc_hf.selection.tail_terms`).
+        in_range (`bool`, *optional*, defaults to False): the caller guarantees every `page_idx` entry is a page
+            of the sequence, in `[0, ceil(seq_len / P))` (no -1 entries). Then the mask is one lookup in a table
+            of the positions past `seq_len` (shared by all calls of one length through `workspace`), and, without
+            `token_valid`, every row has an attendable token, so no NaN from an empty row needs clearing (a NaN
+            or inf in the inputs then propagates, as in dense attention). Same result for finite inputs.
 
     Returns:
         `torch.Tensor` of shape `[N, G, D]` in the query's dtype.
@@ -210,14 +239,21 @@ def sparse_decode_attention(
     logits = torch.matmul(query.to(keys.dtype), keys.transpose(1, 2)).float() * scaling  # [N, G, M*P]
     if softcap is not None:
         logits = torch.tanh(logits / softcap) * softcap
-    ok = token_mask(page_idx, page_size, seq_len, token_valid, rows_per_batch)
-    logits = logits.masked_fill(~ok[:, None, :], NEG_INF)
+    if in_range and token_valid is None:
+        if seq_len % page_size:  # else every page read is full: nothing to mask
+            table = (workspace.past_end(seq_len, page_size, page_idx.device) if workspace is not None
+                     else past_end_table(seq_len, page_size, page_idx.device))
+            logits = logits.masked_fill(table.index_select(0, page_idx.reshape(-1)).view(n, 1, m * page_size), NEG_INF)
+    else:
+        ok = token_mask(page_idx, page_size, seq_len, token_valid, rows_per_batch)
+        logits = logits.masked_fill(~ok[:, None, :], NEG_INF)
     if tail is not None:
         logits = torch.cat([logits, tail[0].float()], dim=-1)
         values = torch.cat([values, tail[1].to(values.dtype)], dim=1)
     probs = torch.softmax(logits, dim=-1)
-    # A row with no attendable token (a fully padded sequence) gets zeros, not NaN.
-    probs = torch.nan_to_num(probs, nan=0.0)
+    if not (in_range and token_valid is None):
+        # A row with no attendable token (a fully padded sequence) gets zeros, not NaN.
+        probs = torch.nan_to_num(probs, nan=0.0)
     out = torch.matmul(probs.to(values.dtype), values)
     return out.to(query.dtype)
 
