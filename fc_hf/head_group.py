@@ -52,6 +52,10 @@ class HeadGroup:
         self.rankings = 0
         self.promoted_fractions: list[float] = []
         self.timings = timings
+        # Between rankings a stable group reads the same pages from the same slots for many steps: the
+        # pages are kept until the selection or the page count changes, their slots until the table does.
+        self._pages_memo: tuple | None = None  # (sel, pages_at_rank, num_pages, rows, pages)
+        self._slots_memo: tuple | None = None  # (pages, table_version, slots)
 
     def init_store(self, batch, head_dim, value_dim, dtype, device):
         self.head_index = torch.tensor(self.heads, device=device)
@@ -98,7 +102,13 @@ class HeadGroup:
             self._apply(*self.pending)
             self.pending = None
         if self.kind == STREAMING:
-            return self.selector.streaming_pages(self.store.rows, self.store.num_pages, self.store.device)
+            store = self.store
+            memo = self._pages_memo
+            if memo is None or memo[2] != store.num_pages or memo[3] != store.rows:
+                memo = (None, None, store.num_pages, store.rows,
+                        self.selector.streaming_pages(store.rows, store.num_pages, store.device))
+                self._pages_memo = memo
+            return memo[4]
         store = self.store
         if self.is_due(step):
             new_sel = self._rank(query, page_valid, scaling, token_valid)
@@ -113,12 +123,29 @@ class HeadGroup:
     def _resident_pages(self) -> torch.Tensor:
         """Pages this group reads and holds on the device now: last top-K plus pages created since, `[N, R]`."""
         store = self.store
-        if self.sel is None:  # right after prefill: everything is resident
-            return torch.arange(store.num_pages, device=store.device).expand(store.rows, store.num_pages)
-        if self.pages_at_rank == store.num_pages:
+        if self.sel is not None and self.pages_at_rank == store.num_pages:
             return self.sel
-        since = torch.arange(self.pages_at_rank, store.num_pages, device=store.device)
-        return torch.cat([self.sel, since.expand(store.rows, since.numel())], dim=1)
+        memo = self._pages_memo
+        if memo is not None and memo[0] is self.sel and memo[1] == self.pages_at_rank and memo[2] == store.num_pages \
+                and memo[3] == store.rows:
+            return memo[4]
+        if self.sel is None:  # right after prefill: everything is resident
+            pages = torch.arange(store.num_pages, device=store.device).expand(store.rows, store.num_pages)
+        else:
+            since = torch.arange(self.pages_at_rank, store.num_pages, device=store.device)
+            pages = torch.cat([self.sel, since.expand(store.rows, since.numel())], dim=1)
+        self._pages_memo = (self.sel, self.pages_at_rank, store.num_pages, store.rows, pages)
+        return pages
+
+    def _slots_for(self, pages: torch.Tensor) -> torch.Tensor:
+        """Device slots of `pages`; the same pages object under an unchanged table gives the same slots."""
+        store = self.store
+        memo = self._slots_memo
+        if memo is not None and memo[0] is pages and memo[1] == store.table_version:
+            return memo[2]
+        slots = store.slots_for(pages)
+        self._slots_memo = (pages, store.table_version, slots)
+        return slots
 
     def _apply(self, new_sel: torch.Tensor, pages_at_rank: int) -> None:
         """Make `new_sel` the current selection; for a tiered group move pages between tiers."""
@@ -161,7 +188,7 @@ class HeadGroup:
         pages = self.pages_for_step(step, query, page_valid, scaling, token_valid)
         store.transfers.wait_promotions()
         with self._timed("gather_attention"):
-            slots = store.slots_for(pages)
+            slots = self._slots_for(pages)
             if check:
                 store.check_resident(slots)
             tail = None
@@ -171,6 +198,7 @@ class HeadGroup:
             out = kernels.sparse_decode_attention(
                 query, store.k_pool, store.v_pool, slots, pages, store.length, scaling,
                 token_valid, len(self.heads), softcap, backend=self.cfg.backend, workspace=self.workspace, tail=tail,
+                in_range=True,  # every page read is a page of the sequence: never -1, never past its end
             )
         if self.pending is not None:
             # Deferred promotion: start the copies now, so they overlap the rest of the step.

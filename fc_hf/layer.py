@@ -123,9 +123,14 @@ class FlexiCacheLayer(CacheLayerMixin):
             found = auto.decide(self.steps)  # the first layer classifies; None: postponed
             if found is not None:
                 self.regroup(auto.unstable_in(self.layer_idx))
-        for group in self.groups:
-            idx = group.head_index
-            group.store.append(key_states.index_select(1, idx), value_states.index_select(1, idx))
+        if len(self.groups) == 1:  # one group holds every head, in order: nothing to pick
+            self.groups[0].store.append(key_states, value_states)
+        else:  # the heads in group order once, then each group takes its span (a view)
+            perm, spans = self._head_order()
+            kp = key_states if perm is None else key_states.index_select(1, perm)
+            vp = value_states if perm is None else value_states.index_select(1, perm)
+            for group, (lo, hi) in zip(self.groups, spans):
+                group.store.append(kp[:, lo:hi], vp[:, lo:hi])
         self.length += t
         if t > 1 or self.length == 1:
             if auto is not None and auto.observing and t > 1:
@@ -141,6 +146,20 @@ class FlexiCacheLayer(CacheLayerMixin):
             _placeholder(self, b, h, self.length, self.head_dim, key_states),
             _placeholder(self, b, h, self.length, self.value_dim, value_states),
         )
+
+    def _head_order(self) -> tuple[torch.Tensor | None, list[tuple[int, int]]]:
+        """`(perm, spans)`: the KV heads in group order (None when that is 0..H-1) and each group's span in it."""
+        memo = getattr(self, "_order_memo", None)
+        if memo is None or memo[0] is not self.groups:
+            order = [h for g in self.groups for h in g.heads]
+            spans, lo = [], 0
+            for g in self.groups:
+                spans.append((lo, lo + len(g.heads)))
+                lo += len(g.heads)
+            perm = None if order == list(range(self.num_kv_heads)) else torch.tensor(order, device=self.device)
+            memo = (self.groups, perm, spans)
+            self._order_memo = memo
+        return memo[1], memo[2]
 
     def _check_same_kind(self, key_states: torch.Tensor) -> None:
         if key_states.device != self.device or key_states.dtype != self.dtype:
@@ -207,17 +226,28 @@ class FlexiCacheLayer(CacheLayerMixin):
         groups = hq // self.num_kv_heads
         q = query.view(b, self.num_kv_heads, groups, d)
         token_valid, page_valid_full = self.owner.padding_info(attention_mask, self.length, self.cfg.page_size)
-        out = query.new_empty(b, self.num_kv_heads, groups, self.value_dim)
+        out = None
         check = self.owner.residency_check_for(self.device)
-        for group in self.groups:
+        if b == 1 and len(self.groups) > 1:  # one pick of the heads in group order; each group's span is a view
+            perm, spans = self._head_order()
+            q_ordered = q if perm is None else q.index_select(1, perm)
+            group_queries = [q_ordered[:, lo:hi] for lo, hi in spans]
+        else:
+            group_queries = [q if len(g.heads) == self.num_kv_heads else q.index_select(1, g.head_index)
+                             for g in self.groups]
+        for group, qg in zip(self.groups, group_queries):
             hg = len(group.heads)
-            qg = q if hg == self.num_kv_heads else q.index_select(1, group.head_index)
             qg = qg.reshape(b * hg, groups, d)
             page_valid = None
             if page_valid_full is not None:
                 page_valid = page_valid_full[:, None, :].expand(b, hg, -1).reshape(b * hg, -1)
             og = group.attend(qg, self.steps, token_valid, page_valid, scaling, softcap, check)
-            out.index_copy_(1, group.head_index, og.view(b, hg, groups, self.value_dim))
+            if hg == self.num_kv_heads:  # one group holds every head, in order: its output is the layer's
+                out = og.view(b, hg, groups, self.value_dim)
+            else:
+                if out is None:
+                    out = query.new_empty(b, self.num_kv_heads, groups, self.value_dim)
+                out.index_copy_(1, group.head_index, og.view(b, hg, groups, self.value_dim))
         auto = self.owner.auto
         if auto is not None and self.regrouped_after_step is None:  # warm-up: one group, every head unstable
             warm = self.groups[0]
