@@ -94,3 +94,13 @@ def test_regenerated_report_keeps_the_ops_section(tmp_path):
     text = bench_report.write_report(tmp_path / "empty", docs).read_text()
     assert "## Decode-step ops (issue 17)\n\n| a | b |" in text
     assert "old table" not in text and text.count("## Decode-step ops") == 1
+
+
+def test_comparison_table_puts_before_and_after_side_by_side(tiny):
+    before = [_case(tiny, m) for m in ("dense", "quest")]
+    after = [dict(c, summary={k: dict(v, ops_per_layer=v["ops_per_layer"] / 2) for k, v in c["summary"].items()})
+             for c in before]
+    table = bench_ops.comparison_table(before, after)
+    row = next(line for line in table.splitlines() if line.startswith("| tiny | quest | torch | plain |"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert float(cells[4]) == 2 * float(cells[5]) and cells[6] == cells[7]  # ratios to each run's own dense

@@ -46,6 +46,7 @@ The FlexiCache residency check (a host sync per head group) runs with CUDA's def
 
     flexicache bench ops --out results/bench             # table in results/bench/ops.md, data in ops.json
     flexicache bench ops --smoke --out /tmp/b            # tiny model and context, seconds
+    flexicache bench ops --ops-baseline old/ops.json ... # also <out>/ops_compare.md: before/after side by side
 """
 
 from __future__ import annotations
@@ -66,7 +67,8 @@ from fc_hf.compat import cache_kwarg
 from ..methods import make_cache, prepare_model
 from .common import bench_profile, build_model, decode_step, environment, ingest_random_kv, log, model_config, write_json
 
-__all__ = ["OpCounter", "count_case", "worker", "suite_ops", "markdown_table", "is_counted", "sync_kind"]
+__all__ = ["OpCounter", "count_case", "worker", "suite_ops", "markdown_table", "comparison_table", "is_counted",
+           "sync_kind"]
 
 # Ops that only allocate or re-label memory (no kernel), beyond those whose schema marks them as views.
 _NOT_LAUNCHING = frozenset({
@@ -431,6 +433,37 @@ def markdown_table(results: list[dict], kinds=("plain", "rerank", "period")) -> 
     return "\n".join(lines)
 
 
+def comparison_table(before: list[dict], after: list[dict], kinds=("plain", "rerank", "period")) -> str:
+    """Before/after side by side (e.g. two commits): ops per layer-step with their ratio to dense, the
+    cache + attention part, and syncs per step, for every shape × method × backend × step kind in `after`."""
+
+    def index(results):
+        return {(r["shape"], r["method"], r["backend"]): r["summary"] for r in results}
+
+    b_idx, a_idx = index(before), index(after)
+    head = ["shape", "method", "backend", "step", "ops / layer-step before", "after", "× dense before", "after",
+            "cache + attention before", "after", "syncs / step before", "after"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    order = {"dense": 0, "quest": 1, "flexicache": 2}
+    for key in sorted(a_idx, key=lambda k: (k[0] != "smollm2", k[0], order.get(k[1], 9), k[2] != "torch")):
+        shape, method, backend = key
+        for kind in kinds:
+            a = a_idx[key].get(kind)
+            b = b_idx.get(key, {}).get(kind)
+            if a is None:
+                continue
+            cells = [shape, method, backend if method != "dense" else "torch (sdpa)", kind]
+            da = a_idx.get((shape, "dense", "torch"), {}).get(kind)
+            db = b_idx.get((shape, "dense", "torch"), {}).get(kind)
+            cells += [_fmt(b and b["ops_per_layer"]), _fmt(a["ops_per_layer"]),
+                      (_fmt(b["ops_per_layer"] / db["ops_per_layer"], 2) + "×") if b and db else "–",
+                      (_fmt(a["ops_per_layer"] / da["ops_per_layer"], 2) + "×") if da else "–",
+                      _fmt(b and b["cache_attn_per_layer"]), _fmt(a["cache_attn_per_layer"]),
+                      _fmt(b and b["syncs_per_step"]), _fmt(a["syncs_per_step"])]
+            lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def suite_ops(args, out: Path) -> list[dict]:
     shapes = [s for s in args.ops_shapes.split(",") if s]
     backends = [b for b in args.ops_backends.split(",") if b]
@@ -457,4 +490,9 @@ def suite_ops(args, out: Path) -> list[dict]:
     write_json(out / "ops.json", {"suite": "ops", "env": env, "argv": sys.argv[1:], "results": results})
     (out / "ops.md").write_text(header + "\n\n" + table + "\n")
     print(header + "\n\n" + table)
+    if getattr(args, "ops_baseline", None):
+        before = json.loads(Path(args.ops_baseline).read_text())["results"]
+        compare = comparison_table(before, results)
+        (out / "ops_compare.md").write_text(compare + "\n")
+        print("\nBefore (" + str(args.ops_baseline) + ") and after:\n\n" + compare)
     return results

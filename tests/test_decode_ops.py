@@ -1,0 +1,106 @@
+"""The decode step's cheaper paths (issue 17) give bit for bit what the general paths give.
+
+- sparse attention with `in_range=True` (mask from a shared table, no NaN clearing) equals the default path;
+- the Quest bound written through one buffer equals the concatenated form, signed zeros included;
+- a decode append (one token, written at its offset in the page being filled, also from a non-contiguous
+  span of a batch's heads) stores what a bulk append stores;
+- the per-layer op count of a plain decode step stays at what this change brought it to.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fc_hf.kernels import torch_backend as tb
+from fc_hf.paged_store import PagedKV
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.int32 if t.dtype == torch.float32 else torch.int16)
+
+
+@pytest.mark.parametrize("seq_len", [61, 64, 49])
+@pytest.mark.parametrize("with_tail", [False, True])
+def test_in_range_attention_is_bit_identical(seq_len, with_tail):
+    g = torch.Generator().manual_seed(seq_len)
+    n, groups, d, p = 6, 3, 16, 8
+    pages = -(-seq_len // p)
+    slots = 1 + torch.randperm(n * pages, generator=g).view(n, pages)
+    k_pool = torch.randn(n * pages + 1, p, d, generator=g)
+    v_pool = torch.randn(n * pages + 1, p, d, generator=g)
+    query = torch.randn(n, groups, d, generator=g)
+    # Each row reads 4 pages in a scrambled order, the last (partial) page among them.
+    idx = torch.stack([torch.randperm(pages - 1, generator=g)[:3] for _ in range(n)])
+    idx = torch.cat([idx, torch.full((n, 1), pages - 1)], 1)[:, torch.randperm(4, generator=g)]
+    sl = slots.gather(1, idx)
+    tail = None
+    if with_tail:
+        tail = (torch.randn(n, groups, 5, generator=g), torch.randn(n, 5, d, generator=g))
+        tail[0][:, :, 1] = float("-inf")
+    ref = tb.sparse_decode_attention(query, k_pool, v_pool, sl, idx, seq_len, 0.25, tail=tail)
+    ws = tb.GatherWorkspace()
+    for workspace in (None, ws, ws):  # twice through the workspace: its cached table is reused
+        out = tb.sparse_decode_attention(query, k_pool, v_pool, sl, idx, seq_len, 0.25, workspace=workspace,
+                                         tail=tail, in_range=True)
+        assert torch.equal(_bits(out), _bits(ref))
+    other = tb.sparse_decode_attention(query, k_pool, v_pool, sl, idx, seq_len + 1, 0.25, workspace=ws, in_range=True)
+    assert torch.equal(other, tb.sparse_decode_attention(query, k_pool, v_pool, sl, idx, seq_len + 1, 0.25))
+
+
+def test_past_end_table():
+    t = tb.past_end_table(10, 4, "cpu")
+    assert t.shape == (3, 4)
+    assert t.sum() == 2 and t[2].tolist() == [False, False, True, True]
+    assert not tb.past_end_table(12, 4, "cpu").any()
+
+
+def test_quest_bound_through_one_buffer_is_bit_identical():
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(5, 3, 16, generator=g)
+    q[0, 0, :4] = torch.tensor([0.0, -0.0, float("inf"), float("-inf")])
+    meta = torch.randn(5, 9, 32, generator=g)
+    ref = torch.matmul(torch.cat([q.clamp(min=0), q.clamp(max=0)], dim=-1), meta[:, :7].transpose(1, 2))
+    assert torch.equal(_bits(tb.bounds_per_head(q, meta, 7)), _bits(ref))
+    qg = q.clone().requires_grad_()  # the autograd path (no out=) gives the same values
+    with torch.enable_grad():
+        assert torch.equal(_bits(tb.bounds_per_head(qg, meta, 7).detach()), _bits(ref))
+
+
+@pytest.mark.parametrize("tiered", [False, True])
+def test_decode_append_stores_what_a_bulk_append_stores(tiered):
+    g = torch.Generator().manual_seed(1)
+    b, h, d, p, prompt, steps = 2, 4, 8, 4, 9, 11
+    keys = torch.randn(b, 2 * h, prompt + steps, d, generator=g)  # a span of heads h..2h: non-contiguous per batch
+    values = torch.randn(b, 2 * h, prompt + steps, d, generator=g)
+    span = slice(h, 2 * h)
+    bulk = PagedKV(b, h, p, d, d, torch.float32, torch.device("cpu"), tiered=tiered)
+    bulk.append(keys[:, span].contiguous(), values[:, span].contiguous())
+    step = PagedKV(b, h, p, d, d, torch.float32, torch.device("cpu"), tiered=tiered)
+    step.append(keys[:, span, :prompt], values[:, span, :prompt])
+    for i in range(prompt, prompt + steps):
+        k, v = keys[:, span, i : i + 1], values[:, span, i : i + 1]
+        assert not k.is_contiguous()
+        step.append(k, v)
+    for a, c in zip(bulk.dense(), step.dense()):
+        assert torch.equal(a, c)
+    assert torch.equal(bulk.meta[:, : bulk.full_pages], step.meta[:, : step.full_pages])
+    if tiered:
+        assert torch.equal(bulk.host_k[: bulk.host_pages], step.host_k[: step.host_pages])
+
+
+def test_plain_decode_step_ops_per_layer_stay_low():
+    """A regression guard for issue 17's counts at smoke size (tiny model, 2 KV heads, one mixed layer)."""
+    from fc_hf.eval.bench import common as bench_common
+    from fc_hf.eval.bench import ops as bench_ops
+
+    config = bench_common.model_config("tiny", max_positions=1024)
+    model = bench_common.build_model(config)
+    profile = bench_common.spread_profile(config, 0.25)
+    got = {}
+    for method in ("dense", "quest", "flexicache"):
+        case = bench_ops.count_case(model, config, method, 64, 136, 16, profile if method == "flexicache" else None)
+        got[method] = bench_ops.summarize(case)["plain"]["cache_attn_per_layer"]
+    assert got["dense"] == 3
+    assert got["quest"] <= 20  # 36 before (18 in the layer + the step's shared mask table, 2 ops over 2 layers)
+    assert got["flexicache"] <= 22  # 47 before
