@@ -84,7 +84,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--ops-triton-prompt", type=int, default=1032,
                    help="ops suite, Triton rows: context tokens (the interpreter is slow; same structure as the torch rows)")
     p.add_argument("--ops-triton-budget", type=int, default=256, help="ops suite, Triton rows: token budget")
-    p.add_argument("--ops-triton-steps", type=int, default=16, help="ops suite, Triton rows: decode steps counted")
+    p.add_argument("--ops-triton-steps", type=int, default=17, help="ops suite, Triton rows: decode steps counted")
     p.add_argument("--ops-baseline", default=None,
                    help="ops suite: an earlier run's ops.json; writes <out>/ops_compare.md with both side by side")
     p.add_argument("--residency-check", action="store_true",
@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.smoke:  # tiny sizes, except where the command line chose a value
         smoke = dict(models="tiny", lengths="256,512", batches="1,2", budgets="64,128", steps=4, prefill_lengths="128",
                      batch_length="256", batch_sizes="1,2", memory_lengths="256,512", promotion_budgets="64",
-                     ops_shapes="tiny", ops_budget=64, ops_prompt=136, ops_steps=16, ops_triton_budget=64,
+                     ops_shapes="tiny", ops_budget=64, ops_prompt=136, ops_steps=17, ops_triton_budget=64,
                      ops_triton_prompt=136)
         for key, value in smoke.items():
             if getattr(args, key) == parser.get_default(key):

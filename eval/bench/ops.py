@@ -33,16 +33,18 @@ hidden size, MLP and vocabulary: op counts do not depend on those sizes. The pro
 straight into the cache (`common.ingest_random_kv`), 4096 + 8 tokens, so the page being filled fills at
 step 8 + 16 k and a new page opens the step after, never on a re-rank step.
 
-Steps 2 .. 2R are counted (step 1, the first ranking that drops the prompt's pages, is reported apart)
+Steps 2 .. `--ops-steps` are counted (step 1, the first ranking that drops the prompt's pages, apart)
 and classified: `rerank` (step % R == 0: FlexiCache's stable heads re-rank; promotions), `page` (a page
-fills or a new one opens), `plain` (neither: the steady state, 12 of every 16 steps here). Per layer-step
+fills or a new one opens), `plain` (neither: the steady state, 12 of every 16 steps here); `period` is the
+mean over one whole re-rank period (steps 2 .. R + 1). Per layer-step
 = the ops inside the decoder layers divided by their number; "cache + attention" is the part inside
 `cache.update` and the attention function (projections, norms, RoPE and MLP excluded); the ops outside
 the decoder layers (embedding, masks, final norm, LM head, argmax) are reported per step.
 The FlexiCache residency check (a host sync per head group) runs with CUDA's default (off), unless
 `--residency-check`. The Triton rows run the kernels under the Triton interpreter in a subprocess
-(`TRITON_INTERPRET=1`); there the decode kernel splits each row's pages for 4 programs (on a GPU for
-2 programs per SM), so it launches its combine kernel only where a GPU would too when the rows are few.
+(`TRITON_INTERPRET=1`). The interpreter splits a row's pages only up to 4 programs in all, so with 4 or
+more rows the decode kernel runs unsplit and launches no combine kernel; a GPU splits them to fill its SMs
+and then adds one combine launch per sparse attention call (per head group and layer) to these counts.
 
     flexicache bench ops --out results/bench             # table in results/bench/ops.md, data in ops.json
     flexicache bench ops --smoke --out /tmp/b            # tiny model and context, seconds
@@ -335,12 +337,10 @@ def summarize(case: dict) -> dict:
     groups = {}
     for s in case["steps"]:
         groups.setdefault(s["kind"], []).append(s)
-    period = [s for s in case["steps"] if s["step"] > 1]
+    # One whole re-rank period, steps 2 .. R + 1 (one re-rank, one page filled, one opened): when all were run.
     rerank_steps = [s["step"] for s in case["steps"] if s["kind"] == "rerank"]
-    if rerank_steps:  # the last full re-rank period: R consecutive steps ending at a re-rank
-        r = rerank_steps[-1] - (rerank_steps[-2] if len(rerank_steps) > 1 else 0)
-        period = [s for s in case["steps"] if rerank_steps[-1] - r < s["step"] <= rerank_steps[-1]]
-    groups["period"] = period
+    if rerank_steps and len(case["steps"]) > rerank_steps[0]:
+        groups["period"] = [s for s in case["steps"] if 2 <= s["step"] <= rerank_steps[0] + 1]
     for kind, steps in groups.items():
         n = len(steps)
         if not n:
@@ -437,8 +437,8 @@ def comparison_table(before: list[dict], after: list[dict], kinds=("plain", "rer
     """Before/after side by side (e.g. two commits): ops per layer-step with their ratio to dense, the
     cache + attention part, and syncs per step, for every shape × method × backend × step kind in `after`."""
 
-    def index(results):
-        return {(r["shape"], r["method"], r["backend"]): r["summary"] for r in results}
+    def index(results):  # summaries recomputed from the per-step counts: both sides by this version's rules
+        return {(r["shape"], r["method"], r["backend"]): summarize(r) for r in results}
 
     b_idx, a_idx = index(before), index(after)
     head = ["shape", "method", "backend", "step", "ops / layer-step before", "after", "× dense before", "after",
