@@ -98,8 +98,7 @@ def test_regenerated_report_keeps_the_ops_section(tmp_path):
 
 def test_comparison_table_puts_before_and_after_side_by_side(tiny):
     before = [_case(tiny, m) for m in ("dense", "quest")]
-    after = [dict(c, summary={k: dict(v, ops_per_layer=v["ops_per_layer"] / 2) for k, v in c["summary"].items()})
-             for c in before]
+    after = [dict(c, steps=[dict(s, layer_ops=s["layer_ops"] / 2) for s in c["steps"]]) for c in before]
     table = bench_ops.comparison_table(before, after)
     row = next(line for line in table.splitlines() if line.startswith("| tiny | quest | torch | plain |"))
     cells = [c.strip() for c in row.strip("|").split("|")]
