@@ -85,6 +85,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="ops suite, Triton rows: context tokens (the interpreter is slow; same structure as the torch rows)")
     p.add_argument("--ops-triton-budget", type=int, default=256, help="ops suite, Triton rows: token budget")
     p.add_argument("--ops-triton-steps", type=int, default=17, help="ops suite, Triton rows: decode steps counted")
+    p.add_argument("--ops-cache-options", default="",
+                   help='ops suite: FlexiCacheConfig fields for quest and flexicache, e.g. "refine_pages=0,sink_pages=0"')
     p.add_argument("--ops-baseline", default=None,
                    help="ops suite: an earlier run's ops.json; writes <out>/ops_compare.md with both side by side")
     p.add_argument("--residency-check", action="store_true",

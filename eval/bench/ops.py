@@ -66,7 +66,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from fc_hf.compat import cache_kwarg
 
-from ..methods import make_cache, prepare_model
+from ..methods import make_cache, parse_cache_options, prepare_model
 from .common import bench_profile, build_model, decode_step, environment, ingest_random_kv, log, model_config, write_json
 
 __all__ = ["OpCounter", "count_case", "worker", "suite_ops", "markdown_table", "comparison_table", "is_counted",
@@ -289,11 +289,13 @@ def _step_kind(step: int, prompt: int, page_size: int, rerank: int) -> str:
 
 
 def count_case(model, config, method: str, budget: int, prompt: int, steps: int, profile, backend: str = "torch",
-               residency_check: bool = False) -> dict:
-    """Count ops and syncs of decode steps 1..`steps` of `method` after a `prompt`-token random-K/V prefill."""
+               residency_check: bool = False, options: dict | None = None) -> dict:
+    """Count ops and syncs of decode steps 1..`steps` of `method` after a `prompt`-token random-K/V prefill.
+
+    `options`: `FlexiCacheConfig` fields for the FlexiCache methods (the defaults otherwise)."""
     from fc_hf.config import FlexiCacheConfig
 
-    base = FlexiCacheConfig(backend=backend)
+    base = FlexiCacheConfig(backend=backend, **(options or {}))
     prepare_model(model, method)
     kwarg = cache_kwarg(model)
     layers = len(model.model.layers)
@@ -377,7 +379,8 @@ def worker(spec: dict) -> int:
         if spec["backend"] == "triton" and method == "dense":
             continue
         case = count_case(model, config, method, spec["budget"], spec["prompt"], spec["steps"],
-                          profile if method == "flexicache" else None, spec["backend"], spec["residency_check"])
+                          profile if method == "flexicache" else None, spec["backend"], spec["residency_check"],
+                          spec.get("options"))
         case.update(shape=spec["shape"], profile=label if method == "flexicache" else None,
                     summary=summarize(case), env=environment())
         print(json.dumps(case), flush=True)
@@ -468,6 +471,7 @@ def suite_ops(args, out: Path) -> list[dict]:
     shapes = [s for s in args.ops_shapes.split(",") if s]
     backends = [b for b in args.ops_backends.split(",") if b]
     methods = [m for m in args.methods.split(",") if m]
+    options = parse_cache_options(args.ops_cache_options)
     results = []
     for shape in shapes:
         for backend in backends:
@@ -476,14 +480,15 @@ def suite_ops(args, out: Path) -> list[dict]:
                     "budget": args.ops_triton_budget if tri else args.ops_budget,
                     "prompt": args.ops_triton_prompt if tri else args.ops_prompt,
                     "steps": args.ops_triton_steps if tri else args.ops_steps,
-                    "unstable_fraction": args.unstable_fraction, "residency_check": args.residency_check}
+                    "unstable_fraction": args.unstable_fraction, "residency_check": args.residency_check,
+                    "options": options}
             log(f"bench ops: {shape} {backend} ({', '.join(methods)})")
             results.extend(_run_worker(spec, args.timeout))
     table = markdown_table(results)
     env = environment()
     header = (f"Decode-step ops (`flexicache bench ops`), batch 1, fp32, budget {args.ops_budget}, context "
               f"{args.ops_prompt} tokens, {args.ops_steps} steps after the first; torch {env['torch']}, transformers "
-              f"{env['transformers']}.")
+              f"{env['transformers']}" + (f"; FlexiCacheConfig options {options}" if options else "") + ".")
     if "triton" in backends:
         header += (f" Triton rows (interpreted: slow) at budget {args.ops_triton_budget}, context {args.ops_triton_prompt}, "
                    f"{args.ops_triton_steps} steps: the same structure (more pages than the budget, one re-rank).")
