@@ -85,8 +85,8 @@ def method_config(method: str, budget: int = 1024, model_config=None, base=None)
     base = replace(base or FlexiCacheConfig(), token_budget=int(budget))
     if method == "flexicache":
         return base
-    if method == "quest":
-        return replace(base, offload=False)
+    if method == "quest":  # the authors' Quest: its bound alone chooses (no exact refinement)
+        return replace(base, offload=False, refine_pages=0)
     if method == "no-rerank":
         return replace(base, rerank_interval=NO_RERANK_INTERVAL)
     if method == "uniform":

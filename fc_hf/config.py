@@ -45,8 +45,11 @@ class FlexiCacheConfig:
             ranked head always selects (inside the budget).
         stable_page_score (`str`, *optional*): page score of stable heads at their re-rank (None: `page_score`);
             "exact" re-scores with the true attention mass over all their keys every R steps.
-        refine_pages (`int`, *optional*, defaults to 0): when > 0, the page score proposes this many candidate
-            pages (>= K) and the K with the most exact attention mass among them (their keys read) are chosen.
+        refine_pages (`int`, *optional*, defaults to 2 * K): the page score proposes this many candidate pages
+            (>= K), their keys are read, and the K with the most exact attention mass among them are chosen. None
+            (the default) means 2 * K; 0 turns refinement off (the plain Quest bound, the authors' selection).
+            2 * K: at budget 1024 on SmolLM2 it cut KL to dense 7x and raised teacher-forced agreement from 0.88
+            to 0.95, ahead of Quest at budget 1536, which reads as many bytes (docs/eval/selection.md).
         tail_estimate (`bool`, *optional*, defaults to False): keep each unselected full page in the softmax as
             one term from its mean key and mean value (per-page means kept beside MinMax).
         backend (`str`, *optional*): "torch" or "triton" forces a kernel backend; None picks by device.
@@ -73,7 +76,7 @@ class FlexiCacheConfig:
     recent_pages: int = 0
     stable_page_score: str | None = None
     tail_estimate: bool = False
-    refine_pages: int = 0
+    refine_pages: int | None = None
     backend: str | None = None
     warmup_steps: int = 64
 
@@ -124,12 +127,13 @@ class FlexiCacheConfig:
             )
         if not isinstance(self.tail_estimate, bool):
             raise ValueError(f"FlexiCacheConfig.tail_estimate must be True or False, got {self.tail_estimate!r}.")
-        if isinstance(self.refine_pages, bool) or not isinstance(self.refine_pages, int) or not (
-            self.refine_pages == 0 or self.refine_pages >= self.pages_per_head
+        if self.refine_pages is not None and (
+            isinstance(self.refine_pages, bool) or not isinstance(self.refine_pages, int)
+            or not (self.refine_pages == 0 or self.refine_pages >= self.pages_per_head)
         ):
             raise ValueError(
-                f"FlexiCacheConfig.refine_pages must be 0 (off) or an integer >= {self.pages_per_head} (the budget's "
-                f"pages), got {self.refine_pages!r}."
+                f"FlexiCacheConfig.refine_pages must be None (2 * K), 0 (off) or an integer >= {self.pages_per_head} "
+                f"(the budget's pages), got {self.refine_pages!r}."
             )
         positive_int("score_subpages", self.score_subpages)
         if self.page_size % self.score_subpages:
@@ -150,3 +154,8 @@ class FlexiCacheConfig:
     def pages_per_head(self) -> int:
         """K: pages each head attends to (the page being filled takes one of them)."""
         return self.token_budget // self.page_size
+
+    @property
+    def candidate_pages(self) -> int:
+        """Candidates a ranking re-scores exactly (`refine_pages` resolved: None -> 2 * K); 0 when off."""
+        return 2 * self.pages_per_head if self.refine_pages is None else self.refine_pages

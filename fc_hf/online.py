@@ -150,6 +150,9 @@ class OnlineClassifier:
                         scaling: float) -> None:
         """Trace the prompt's last `OBSERVED_QUERIES` positions of one layer at prefill (zero warm-up).
 
+        Each position's entry is the top-K by the page score with a decode step's forcing; refinement
+        (`refine_pages`) is not applied here, as it would read every candidate's keys for every position.
+
         Args:
             query (`torch.Tensor` of shape `[B, Hq, T, D]`): the prefill queries (post-RoPE).
             store (`PagedKV`): the layer's single warm-up store (all heads), holding the prompt.

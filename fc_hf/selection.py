@@ -16,9 +16,10 @@ Policies (`FlexiCacheConfig` options):
 - `page_score="exact"`: the true attention mass of every page (softmax over every key, mean over the
   group) — reads every key of the head, so it is the oracle the others approach, not a cheap policy;
   `stable_page_score="exact"` uses it for stable heads only, at their re-rank every R steps.
-- `refine_pages=C`: the score picks C >= K candidate pages, whose keys are then read and scored exactly
-  (true attention mass among the candidates, mean over the group); the top K of those are chosen.
-  Costs reading the candidates' keys at every ranking.
+- `refine_pages=C` (default 2K; 0 = off): the score picks C >= K candidate pages, whose keys are then
+  read and scored exactly (true attention mass among the candidates, mean over the group); the top K of
+  those are chosen. Costs reading the candidates' keys at every ranking; it is the default because no
+  cheaper policy came close (docs/eval/selection.md).
 - `tail_estimate=True`: the unselected full pages are not dropped from the softmax but stand in as one
   term each, `P * exp(scaling * q.mean_key)` with the page's mean value (RetroInfer-like); needs the
   per-page mean key and value beside MinMax (`D + Dv` more metadata values per page).
@@ -126,7 +127,7 @@ class PageSelector:
         self.subpages = cfg.score_subpages
         self.how = page_score or cfg.page_score
         self.recent = cfg.recent_pages
-        self.refine = cfg.refine_pages
+        self.refine = cfg.candidate_pages
 
     def page_scores(
         self, query: torch.Tensor, meta: torch.Tensor, num_pages: int, page_valid: torch.Tensor | None, scaling: float

@@ -175,8 +175,8 @@ def _check_group(cache, cfg, group, state, log, layer, step, query, out, valid, 
         for n, (b, h) in enumerate(rows):
             q = query[b, h * ratio : (h + 1) * ratio, 0]
             scores = bruteforce.page_scores_bruteforce(q, keys_all[b, h], valid[b], cfg, scaling, how)
-            if cfg.refine_pages and how != "exact" and len(scores) > k:
-                scores = bruteforce.refine_scores_bruteforce(q, keys_all[b, h], valid[b], scores, cfg.refine_pages, p,
+            if cfg.candidate_pages and how != "exact" and len(scores) > k:
+                scores = bruteforce.refine_scores_bruteforce(q, keys_all[b, h], valid[b], scores, cfg.candidate_pages, p,
                                                              scaling)
             assert_top_k(ranked[n], scores, k, f"{where} row {n}")
         new_sel = ranked

@@ -137,7 +137,9 @@ def test_classification_equals_the_profilers_on_the_recorded_trace(no_grad):
     """The trace is what the profiler's PageTracer records from the same queries and keys, and the set is
     what the profiler's own functions classify from it."""
     stream = Stream(batch=1, planted=PLANTED, steps=17)
-    cfg = FlexiCacheConfig(page_size=4, token_budget=32, rerank_interval=4, warmup_steps=16, sink_pages=0)
+    # refine_pages=0: the profiler's tracer ranks by the Quest bound alone.
+    cfg = FlexiCacheConfig(page_size=4, token_budget=32, rerank_interval=4, warmup_steps=16, sink_pages=0,
+                           refine_pages=0)
     auto = FlexiCache(stream.config, cfg, "auto")
     layers, kv_heads, dim = 3, 4, 16
     tracer = PageTracer(layers, kv_heads, dim, cfg.page_size, cfg.pages_per_head, 16)
@@ -290,9 +292,11 @@ def test_tiny_model_logits_after_warmup_equal_the_profile_from_start(warmup, no_
 
 
 def test_zero_warmup_trace_is_each_positions_own_ranking(no_grad):
-    """The observation window's entry for prompt position t is what a decode step at t would select."""
+    """The observation window's entry for prompt position t is what a decode step at t would select (by the
+    page score: the window does not refine, so refine_pages=0 here)."""
     model = tiny_model("llama", layers=1, heads=8, kv_heads=4)
-    cfg = FlexiCacheConfig(page_size=4, token_budget=32, rerank_interval=4, warmup_steps=0, recent_pages=1)
+    cfg = FlexiCacheConfig(page_size=4, token_budget=32, rerank_interval=4, warmup_steps=0, recent_pages=1,
+                           refine_pages=0)
     captured = {}
     ids = torch.randint(1, 97, (1, 90), generator=torch.Generator().manual_seed(0))
     cache = FlexiCache(model.config, cfg, "auto")

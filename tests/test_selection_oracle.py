@@ -54,7 +54,7 @@ def cases(draw):
         promotion=draw(st.sampled_from(["sync", "deferred"])),
         page_score=draw(st.sampled_from(["quest", "group_mean", "quest", "group_mean", "exact"])),
         stable_page_score="exact" if draw(st.integers(0, 3)) == 0 else None,
-        refine_pages=0 if draw(st.integers(0, 2)) else k + draw(st.integers(1, 4)),
+        refine_pages=draw(st.sampled_from([0, 0, None, k + draw(st.integers(1, 4))])),  # None: the default, 2K
         score_subpages=draw(st.sampled_from([s for s in (1, 2, 4) if page_size % s == 0])),
         sink_pages=sink,
         recent_pages=draw(st.integers(0, min(2, k - 1 - sink))),
@@ -94,7 +94,8 @@ def test_exact_page_mass_masks_padding():
 BASE = dict(
     layers=1, kv_heads=2, ratio=2, head_dim=8, prompt=37, decode=12, pads=[0, 5], holes=[None, None],
     unstable=[], scaling=8**-0.5, seed=7, reorders={4: [1, 0], 8: [1, 1]},
-    cfg=dict(page_size=4, token_budget=24, rerank_interval=3, sink_pages=1, recent_pages=1),
+    # refine_pages=0: the mutants below break the Quest bound itself, which refinement would partly hide.
+    cfg=dict(page_size=4, token_budget=24, rerank_interval=3, sink_pages=1, recent_pages=1, refine_pages=0),
 )
 
 
@@ -108,6 +109,7 @@ def test_fixed_case_passes():
         for promotion in ("sync", "deferred"):
             run_case(_case(page_score=page_score, promotion=promotion, score_subpages=2))
     run_case(_case(refine_pages=9))
+    run_case(_case(refine_pages=None))  # the default (2K)
 
 
 @pytest.mark.parametrize("page_score", ["quest", "group_mean"])
