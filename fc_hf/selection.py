@@ -134,9 +134,9 @@ class PageSelector:
     ) -> torch.Tensor:
         """Scores `[N, Np]` (fp32) of every page from `meta [N, >= Np*S, 2D]`; `scores()` applies the forcing.
 
-        (The fused Quest kernel already puts the page being filled at +inf; `scores()` forces it again.)
+        (The fused Quest kernel already puts the page being filled at +inf; `scores()` forces it on the other paths.)
         """
-        if self.how == "quest" and self.subpages == 1:  # the kernel path (Triton on CUDA)
+        if self._kernel_scored():  # the kernel path (Triton on CUDA)
             return kernels.score_pages(query, meta, num_pages, page_valid, backend=self.cfg.backend)
         s = self.subpages
         bounds = head_bounds(query, meta, num_pages * s)
@@ -159,8 +159,12 @@ class PageSelector:
         else:
             scores = self.page_scores(query, store.meta, num_pages, page_valid, scaling)
         force_recent_pages(scores, self.recent)
-        scores[:, num_pages - 1] = POS_INF  # the page being filled
+        if not self._kernel_scored():  # the Quest kernel has put the page being filled at +inf already
+            scores[:, num_pages - 1] = POS_INF  # the page being filled
         return kernels.force_sink_pages(scores, self.cfg.sink_pages, page_valid)
+
+    def _kernel_scored(self) -> bool:
+        return self.how == "quest" and self.subpages == 1
 
     def choose(self, scores: torch.Tensor) -> torch.Tensor:
         """The top-K pages of each row, `[N, min(K, Np)]` (all pages when there are at most K)."""
