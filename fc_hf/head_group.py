@@ -34,7 +34,7 @@ class HeadGroup:
         self.kind = kind
         self.heads = heads
         self.cfg = cfg
-        self.selector = PageSelector(cfg, cfg.stable_page_score if kind == STABLE else None)
+        self.selector = PageSelector(cfg, cfg.stable_page_score if kind == STABLE else None, workspace)
         self.workspace = workspace  # the cache's gather buffers (kernels.GatherWorkspace), or None
         if kind == UNSTABLE:
             self.interval = cfg.unstable_rerank_interval

@@ -119,10 +119,14 @@ class PageSelector:
     Args:
         cfg (`FlexiCacheConfig`): page size, budget, `page_score`, `score_subpages`, `sink_pages`,
             `recent_pages`, kernel backend.
+        page_score (`str`, *optional*): this selector's page score (None: `cfg.page_score`).
+        workspace (`kernels.GatherWorkspace`, *optional*): the cache's workspace; refinement takes the step's
+            table of positions past the sequence's end from it instead of building its own.
     """
 
-    def __init__(self, cfg, page_score: str | None = None):
+    def __init__(self, cfg, page_score: str | None = None, workspace=None):
         self.cfg = cfg
+        self.workspace = workspace  # the cache's kernels.GatherWorkspace (shared per-step tables), or None
         self.k = cfg.pages_per_head
         self.subpages = cfg.score_subpages
         self.how = page_score or cfg.page_score
@@ -180,17 +184,26 @@ class PageSelector:
     def _refine(self, query, store, scores, scaling, token_valid_rows):
         """Top-C candidates by score, then the K with the most exact attention mass among them (forced pages kept)."""
         cand = kernels.select_topk(scores, min(self.refine, scores.shape[-1]))  # [N, C]
-        forced = torch.isposinf(scores.gather(1, cand))
+        cand_scores = scores.gather(1, cand)  # +inf: forced, kept first; -inf: all padding, kept last
         keys = store.page_keys(cand)  # [N, C, P, D]
         n, c, p, d = keys.shape
-        pos = cand[:, :, None] * p + torch.arange(p, device=cand.device)  # [N, C, P]
-        ok = pos < store.length
-        if token_valid_rows is not None:
-            ok &= token_valid_rows.gather(1, pos.clamp(max=token_valid_rows.shape[1] - 1).view(n, -1)).view(n, c, p)
         logits = torch.matmul(query.float(), keys.view(n, c * p, d).float().transpose(1, 2)) * scaling
-        logits = logits.masked_fill(~ok.view(n, 1, c * p), NEG_INF)
-        mass = torch.softmax(logits, dim=-1).nan_to_num(0.0).view(n, -1, c, p).sum(-1).mean(1)  # [N, C]
-        mass = mass.masked_fill(forced, POS_INF).masked_fill(torch.isneginf(scores.gather(1, cand)), NEG_INF)
+        if token_valid_rows is None:
+            # Candidates are pages of the sequence: their positions past its end, looked up in one table (shared by
+            # the step's layers through the workspace). Every row holds the page being filled (forced), so none is
+            # empty and its softmax needs no NaN clearing.
+            past = (self.workspace.past_end(store.length, p, cand.device) if self.workspace is not None
+                    else kernels.torch_backend.past_end_table(store.length, p, cand.device))
+            logits = logits.masked_fill(past.index_select(0, cand.reshape(-1)).view(n, 1, c * p), NEG_INF)
+            probs = torch.softmax(logits, dim=-1)
+        else:
+            pos = cand[:, :, None] * p + torch.arange(p, device=cand.device)  # [N, C, P]
+            ok = pos < store.length
+            ok &= token_valid_rows.gather(1, pos.clamp(max=token_valid_rows.shape[1] - 1).view(n, -1)).view(n, c, p)
+            logits = logits.masked_fill(~ok.view(n, 1, c * p), NEG_INF)
+            probs = torch.softmax(logits, dim=-1).nan_to_num(0.0)
+        mass = probs.view(n, -1, c, p).sum(-1).mean(1)  # [N, C]
+        mass = torch.where(torch.isinf(cand_scores), cand_scores, mass)
         return cand.gather(1, torch.topk(mass, self.k, dim=-1).indices)
 
     def streaming_pages(self, rows: int, num_pages: int, device) -> torch.Tensor:
