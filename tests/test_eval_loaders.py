@@ -184,8 +184,7 @@ def test_leval_exam_tasks_load_prompt_and_score():
     assert leval.score_sample("AC", coursera[0]) == 0.25 and leval.score_sample("ABC", coursera[0]) == 1.0
     sci_fi = leval.load_leval("sci_fi", local=FIXTURES / "leval")
     assert leval.score_sample("False", sci_fi[0]) == 1.0 and leval.score_sample("False", sci_fi[1]) == 0.0
-    topics = leval.load_leval("topic_retrieval_longchat", local=FIXTURES / "leval")
-    assert leval.score_sample("The history of tea", topics[1]) == 1.0
+    # topic_retrieval_longchat: test_leval_topic_retrieval_from_the_real_data (no copy of its records is kept here)
     assert set(leval.MAX_NEW_TOKENS) == set(leval.TASKS)
 
 
@@ -200,3 +199,17 @@ def test_task_file_found_one_folder_down(tmp_path):
     (tmp_path / "Closed-ended-tasks" / "financial_qa.jsonl").write_text("")
     with pytest.raises(ValueError, match="several folders"):
         leval.load_leval("financial_qa", local=tmp_path)
+
+
+SHARED_LEVAL = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "leval" / "closed-ended"
+
+
+@pytest.mark.skipif(not (SHARED_LEVAL / "topic_retrieval_longchat.jsonl").exists(),
+                    reason="the L-Eval data folder (../shared/data/leval) is not on this machine")
+def test_leval_topic_retrieval_from_the_real_data():
+    """Topic retrieval is read from the benchmark's own file at run time (no copy of it is kept in the repository)."""
+    samples = leval.load_leval("topic_retrieval_longchat", local=SHARED_LEVAL, limit=2)
+    assert len(samples) == 2 and all(s["evaluation"] == "exam" for s in samples)
+    record = json.loads((SHARED_LEVAL / "topic_retrieval_longchat.jsonl").read_text().split("\n", 1)[0])
+    assert leval.score_sample(record["outputs"][1], samples[1]) == 1.0
+    assert leval.score_sample("an answer naming no topic of the chat", samples[1]) == 0.0
