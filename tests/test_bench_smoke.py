@@ -6,6 +6,8 @@ and the memory numbers, which do not depend on timing.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import math
 
@@ -70,7 +72,7 @@ def test_decode_suite_smoke(tmp_path):
                      "--budgets", "64", "--steps", "3", "--out", str(out), "--docs", str(tmp_path / "docs")])
     assert rc == 0
     results = json.loads((out / "decode.json").read_text())["results"]
-    assert sorted(r["method"] for r in results) == ["dense", "flexicache", "quest"]
+    assert sorted(r["method"] for r in results) == ["dense", "flexicache", "floor", "quest"]  # the default --methods
     by = {r["method"]: r for r in results}
     for r in results:
         assert r["length"] == 320 and r["batch"] == 2 and len(r["step_ms"]) == 3
@@ -90,6 +92,74 @@ def test_decode_suite_smoke(tmp_path):
     assert "## Decode throughput" in md and "## Issue 7 targets" in md
     assert (tmp_path / "docs" / "bench" / "decode_throughput.png").stat().st_size > 1000
     assert (tmp_path / "docs" / "bench" / "decode.json").exists()
+
+
+def _worker_in_process(spec, timeout):
+    """`decode._run_group` without a fresh interpreter (seconds instead of one torch import per group); the
+    subprocess path is `test_decode_suite_smoke`'s."""
+    from fc_hf.eval.bench import decode as bench_decode
+
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        assert bench_decode.worker(spec) == 0
+    return [json.loads(line) for line in buf.getvalue().splitlines() if line.startswith("{")]
+
+
+def test_floor_and_cache_variants_side_by_side(tmp_path, monkeypatch):
+    from fc_hf.eval.bench import decode as bench_decode
+
+    monkeypatch.setattr(bench_decode, "_run_group", _worker_in_process)
+    out, docs = tmp_path / "bench", tmp_path / "docs"
+    steps, budget = 3, 64
+    rc = bench.main(["decode", "batch", "report", "--smoke", "--lengths", "320", "--batches", "2",
+                     "--budgets", str(budget), "--steps", str(steps), "--batch-sizes", "2",
+                     "--methods", "dense,floor,quest,flexicache", "--cache-variants", "old=refine_pages=0",
+                     "--out", str(out), "--docs", str(docs)])
+    assert rc == 0
+    config = bench_common.model_config("tiny")
+    per_token = config.num_hidden_layers * config.num_key_value_heads * config.head_dim * 4 * 2  # K + V, fp32
+    for suite, length in (("decode", 320), ("batch", 256)):
+        results = json.loads((out / f"{suite}.json").read_text())["results"]
+        # Quest never refines, so quest[old] would be Quest itself: not run twice.
+        assert sorted((r["method"], r.get("variant") or "") for r in results) == [
+            ("dense", ""), ("flexicache", ""), ("flexicache", "old"), ("floor", ""), ("quest", "")]
+        by = {(r["method"], r.get("variant")): r for r in results}
+        assert all(r["length"] == length and r["batch"] == 2 and len(r["step_ms"]) == steps for r in results)
+        floor, dense = by[("floor", None)], by[("dense", None)]
+        # The floor is dense attention over `budget` tokens (plus the decode steps' own), not `length`.
+        assert floor["budget"] == budget and floor["cache_tokens"] == budget and dense["cache_tokens"] == length
+        assert floor["memory"]["device_kv_bytes"] == 2 * per_token * (budget + 1 + steps)
+        assert dense["memory"]["device_kv_bytes"] == 2 * per_token * (length + 1 + steps)
+        assert "breakdown_ms" not in floor
+        old = by[("flexicache", "old")]
+        assert old["options"] == {"refine_pages": 0} and "options" not in by[("flexicache", None)]
+        assert old["stats"]["reranks_unstable"] > 0
+    md = (docs / "benchmarks.md").read_text()
+    assert md.count("### Side by side: the floor and configuration variants") == 2  # decode and batch
+    side = md.split("### Side by side: the floor and configuration variants")[1]
+    assert "| dense over 64 tokens (floor) |" in side
+    old_row = next(line for line in side.splitlines() if "| FlexiCache [old] |" in line)
+    assert "refine_pages=0" in old_row and old_row.count("×") == 3  # × dense, × floor, × default
+    assert "Flexi/floor B=64" in md
+
+
+def test_cache_variants_parsing_and_case_keys():
+    from fc_hf.eval.bench import decode as bench_decode
+
+    assert bench_decode.parse_cache_variants("old=refine_pages=0; sub2=score_subpages=2,refine_pages=0") == [
+        ("old", {"refine_pages": 0}), ("sub2", {"score_subpages": 2, "refine_pages": 0})]
+    assert bench_decode.parse_cache_variants("") == []
+    for bad in ("old", "old=", "a b=refine_pages=0", "x=rerank_interval=8;x=rerank_interval=4"):
+        with pytest.raises(ValueError):
+            bench_decode.parse_cache_variants(bad)
+    variants = [(None, {"rerank_interval": 8}), ("old", {"rerank_interval": 8, "refine_pages": 0})]
+    cases = bench_decode._method_cases(["dense", "floor", "quest", "flexicache"], [64, 128], 512, 1, variants)
+    keys = [bench_decode._case_key("tiny", c) for c in cases]
+    assert len(set(keys)) == len(keys) == 1 + 2 * 4  # dense; per budget floor, quest, flexicache, flexicache[old]
+    assert all(c.get("options", {}).get("rerank_interval") == 8 for c in cases if c["method"] in ("quest", "flexicache"))
+    # A bad field or a bad method fails before any worker starts.
+    assert bench.main(["decode", "--smoke", "--cache-variants", "x=no_such_field=1", "--out", "unused"]) == 2
+    assert bench.main(["decode", "--smoke", "--methods", "dense,flor", "--out", "unused"]) == 2
 
 
 def test_bytes_per_step_estimates():

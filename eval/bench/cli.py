@@ -2,14 +2,18 @@
 
 Suites (run any subset; `all` runs every one):
 
-- `decode`: tokens/s and time per decode step for dense (`DynamicCache` + sdpa), Quest (FlexiCache
-  with every head unstable, one tier) and FlexiCache (profile, host tier) over a grid of context
-  lengths, batch sizes and token budgets, on random-weight models of SmolLM2-135M's shape and of
-  Llama-3.1-8B's attention/MLP shape with fewer layers. Each case also reports the per-phase
+- `decode`: tokens/s and time per decode step for dense (`DynamicCache` + sdpa), the floor (the same
+  dense attention over a cache of only `budget` tokens: the cost of a step that reads as many tokens as
+  FlexiCache attends, with no scoring or paging), Quest (FlexiCache with every head unstable, one tier) and
+  FlexiCache (profile, host tier) over a grid of context lengths, batch sizes and token budgets, on
+  random-weight models of SmolLM2-135M's shape and of Llama-3.1-8B's attention/MLP shape with fewer layers. Each case also reports the per-phase
   breakdown of a step (scoring, selection, gather + attention, promotion, everything else, from
   `FlexiCache.enable_timing()`), peak RSS, and the bytes per tier from `memory_report()`.
   The prefill is replaced by writing random K/V into the cache layer by layer (exactly the calls a
   prefill makes), so 32k-token contexts cost seconds; its time is reported as `ingest_s`.
+  `--cache-variants "old=refine_pages=0;sub2=score_subpages=2"` adds, per label, Quest and FlexiCache
+  cases with those `FlexiCacheConfig` fields (on top of `--cache-options`), timed in the same run beside
+  the unlabelled ones (the batch suite too).
 - `prefill`: a real prefill (the model over random tokens) with each cache, batch 1.
 - `batch`: decode latency against batch size at one length (the paper's Fig. 7).
 - `rerank`: stability-aware against re-rank-everything cost (Fig. 8), read from the decode suite's
@@ -29,6 +33,8 @@ from one run on a quiet machine: the JSON records the load average at the start 
     flexicache bench decode prefill batch memory promotion report --out results/bench
     flexicache bench decode --smoke --out /tmp/b          # seconds, for testing the suite
     flexicache bench ops --out results/bench              # decode-step op counts (issue 17)
+    flexicache bench decode report --models smollm2 --lengths 16k --batches 1 --budgets 1024 \
+        --cache-variants "old=refine_pages=0;sub2=score_subpages=2"   # configurations side by side
 """
 
 from __future__ import annotations
@@ -43,7 +49,7 @@ from . import decode, memory, ops, report
 __all__ = ["main", "SUITES"]
 
 SUITES = ("decode", "prefill", "batch", "rerank", "memory", "promotion", "ops", "report")
-METHODS = ("dense", "quest", "flexicache")
+METHODS = decode.BENCH_METHODS  # dense, floor, quest, flexicache
 SUITE_RUNNERS = {
     "decode": decode.suite_decode,
     "prefill": decode.suite_prefill,
@@ -65,7 +71,19 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--lengths", default="4k,8k,16k,32k", help="context lengths of the decode suite")
     p.add_argument("--batches", default="1,4", help="batch sizes of the decode suite")
     p.add_argument("--budgets", default="1024,2048", help="token budgets")
-    p.add_argument("--methods", default=",".join(METHODS), help="subset of dense,quest,flexicache")
+    p.add_argument("--methods", default=",".join(METHODS),
+                   help="decode/batch/ops suites: subset of dense,floor,quest,flexicache; floor = dense attention "
+                        "(DynamicCache + sdpa) over a cache of only `budget` tokens, one row per budget "
+                        "(the ops suite skips it)")
+    p.add_argument("--cache-options", default="",
+                   help='decode/batch/prefill suites: FlexiCacheConfig fields for every quest and flexicache case, '
+                        'e.g. "rerank_interval=8,sink_pages=0" (parsed as --ops-cache-options)')
+    p.add_argument("--cache-variants", default="",
+                   help='decode/batch suites: extra quest/flexicache configurations timed beside the default, '
+                        '"LABEL=FIELD=VALUE[,FIELD=VALUE...];LABEL2=...", e.g. '
+                        '"old=refine_pages=0;sub2=score_subpages=2"; each label adds a quest and a flexicache '
+                        'case (those in --methods; one identical to the default is not run twice) with those '
+                        'fields on top of --cache-options, reported as its own row')
     p.add_argument("--steps", type=int, default=16, help="timed decode steps per case (a multiple of the re-rank interval)")
     p.add_argument("--llama-layers", type=int, default=2, help="decoder layers of the Llama-8B-shaped model")
     p.add_argument("--unstable-fraction", type=float, default=0.25, help="share of unstable heads of the synthetic profile")
@@ -117,6 +135,12 @@ def main(argv: list[str] | None = None) -> int:
         for key, value in smoke.items():
             if getattr(args, key) == parser.get_default(key):
                 setattr(args, key, value)
+    try:  # fail on a bad method, option or variant before any worker starts
+        decode._methods(args)
+        decode._case_options(args)
+    except ValueError as e:
+        print(f"flexicache bench: {e}", file=sys.stderr)
+        return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     for suite in suites:

@@ -5,6 +5,16 @@ so peak RSS and allocator state do not leak between groups. A decode case writes
 the cache layer by layer (exactly the calls a prefill makes, `common.ingest_random_kv`) and times
 single decode steps; a prefill case times the model over random tokens. Results accumulate in
 `<out>/<suite>.json`; a case run again replaces its old entry.
+
+Besides dense, Quest and FlexiCache the decode and batch suites know two more kinds of case:
+
+- `floor`: dense attention (`DynamicCache` + sdpa, the `dense` case) over a cache of `budget` tokens instead
+  of `length`: what a step costs when attention reads only as many tokens as FlexiCache attends, with no
+  scoring, selection or paging. FlexiCache's tok/s over the floor's is how close it comes to that bound.
+- configuration variants (`--cache-variants "old=refine_pages=0;sub2=score_subpages=2"`): each label adds a
+  Quest and a FlexiCache case (those in `--methods`) built with those `FlexiCacheConfig` fields on top of
+  `--cache-options` (parsed by `methods.parse_cache_options`, as `--ops-cache-options` is). Rows carry
+  `variant` (the label; absent for the unlabelled default) and `options` (the fields set).
 """
 
 from __future__ import annotations
@@ -20,43 +30,66 @@ import torch
 
 from fc_hf.compat import cache_kwarg
 
-from ..methods import make_cache, prepare_model
+from ..methods import make_cache, method_config, parse_cache_options, prepare_model
 from .common import (PeakRSS, bench_profile, build_model, decode_step, environment, ingest_random_kv, log,
                      model_config, now, parse_sizes, release_memory, unstable_share, write_json)
 
-__all__ = ["decode_case", "prefill_case", "worker", "suite_decode", "suite_batch", "suite_prefill", "suite_rerank"]
+__all__ = ["decode_case", "prefill_case", "worker", "suite_decode", "suite_batch", "suite_prefill", "suite_rerank",
+           "parse_cache_variants", "FLEXI_METHODS", "BENCH_METHODS"]
+
+FLEXI_METHODS = ("quest", "flexicache")  # the cases built from a FlexiCacheConfig (options and variants apply)
+BENCH_METHODS = ("dense", "floor") + FLEXI_METHODS  # what --methods of the decode and batch suites may name
+
+
+def _base_config(options: dict | None):
+    """The `FlexiCacheConfig` `make_cache` starts from (`base`): the defaults with `options` set, as in ops.py."""
+    from fc_hf.config import FlexiCacheConfig
+
+    return FlexiCacheConfig(**options) if options else None
 
 
 # -- workers (run in a subprocess) ----------------------------------------------------------------
-def decode_case(model, config, method, budget, length, batch, steps, profile, device="cpu", dtype=None) -> dict:
-    """Time `steps` decode steps of `method` after a random-K/V prefill of `length` tokens, batch `batch`."""
+def decode_case(model, config, method, budget, length, batch, steps, profile, device="cpu", dtype=None,
+                options: dict | None = None) -> dict:
+    """Time `steps` decode steps of `method` after a random-K/V prefill of `length` tokens, batch `batch`.
+
+    `method` "floor" is dense attention over a cache of `min(budget, length)` tokens (the row still reports
+    `length`, the context it stands in for; `cache_tokens` is what the cache held before step 1).
+    `options`: `FlexiCacheConfig` fields for Quest and FlexiCache (the defaults otherwise)."""
     dtype = dtype or torch.float32
-    prepare_model(model, method)
+    floor = method == "floor"
+    flexi = method in FLEXI_METHODS
+    cache_method = "dense" if floor else method
+    prepare_model(model, cache_method)
     kwarg = cache_kwarg(model)
-    flexi = method in ("quest", "flexicache")
     cuda = torch.device(device).type == "cuda"
-    result = {"method": method, "budget": budget if flexi else None, "length": length, "batch": batch, "steps": steps}
+    context = min(budget, length) if floor else length  # tokens in the cache before step 1 (positions follow it)
+    result = {"method": method, "budget": budget if flexi or floor else None, "length": length, "batch": batch,
+              "steps": steps, "cache_tokens": context}
+    if flexi and options:
+        result["options"] = dict(options)
     if cuda:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         gpu_start = torch.cuda.memory_allocated()
     with PeakRSS() as rss, torch.no_grad():
-        cache = make_cache(method, config, budget, profile, dense_cache=True)
+        cache = make_cache(cache_method, config, budget, profile, base=_base_config(options) if flexi else None,
+                           dense_cache=True)
         t0 = now(device)
-        ingest_random_kv(cache, config, batch, length, dtype=dtype, device=device)
+        ingest_random_kv(cache, config, batch, context, dtype=dtype, device=device)
         result["ingest_s"] = now(device) - t0
         if flexi:
             cache.enable_timing()
         token = torch.randint(1, config.vocab_size, (batch, 1), generator=torch.Generator().manual_seed(0)).to(device)
         t0 = now(device)
-        token = decode_step(model, cache, kwarg, token, length)  # step 1: first ranking, prompt pages dropped
+        token = decode_step(model, cache, kwarg, token, context)  # step 1: first ranking, prompt pages dropped
         result["first_step_ms"] = (now(device) - t0) * 1e3
         if flexi:
             cache.timings.clear()
         times = []
         for i in range(steps):
             t0 = now(device)
-            token = decode_step(model, cache, kwarg, token, length + 1 + i)
+            token = decode_step(model, cache, kwarg, token, context + 1 + i)
             times.append((now(device) - t0) * 1e3)
         if flexi:
             mem = cache.memory_report()
@@ -92,14 +125,20 @@ def decode_case(model, config, method, budget, length, batch, steps, profile, de
     return result
 
 
-def prefill_case(model, config, method, budget, length, profile, device="cpu") -> dict:
-    """Time a real prefill of `length` random tokens with `method`'s cache, then one decode step."""
+def prefill_case(model, config, method, budget, length, profile, device="cpu", options: dict | None = None) -> dict:
+    """Time a real prefill of `length` random tokens with `method`'s cache, then one decode step.
+
+    `options`: `FlexiCacheConfig` fields for Quest and FlexiCache (the defaults otherwise)."""
     prepare_model(model, method)
     kwarg = cache_kwarg(model)
     ids = torch.randint(1, config.vocab_size, (1, length), generator=torch.Generator().manual_seed(0)).to(device)
     result = {"method": method, "budget": budget if method != "dense" else None, "length": length, "batch": 1}
+    flexi = method in FLEXI_METHODS
+    if flexi and options:
+        result["options"] = dict(options)
     with PeakRSS() as rss, torch.no_grad():
-        cache = make_cache(method, config, budget, profile, dense_cache=True)
+        cache = make_cache(method, config, budget, profile, base=_base_config(options) if flexi else None,
+                           dense_cache=True)
         t0 = now(device)
         out = model(input_ids=ids, use_cache=True, logits_to_keep=1, **{kwarg: cache})
         result["prefill_s"] = now(device) - t0
@@ -127,13 +166,17 @@ def worker(spec: dict) -> int:
     for case in spec["cases"]:
         t0 = time.perf_counter()
         if spec["kind"] == "prefill":
-            res = prefill_case(model, config, case["method"], case["budget"], case["length"], profile)
+            res = prefill_case(model, config, case["method"], case["budget"], case["length"], profile,
+                               options=case.get("options"))
         else:
             res = decode_case(model, config, case["method"], case["budget"], case["length"], case["batch"],
-                               spec["steps"], profile)
+                              spec["steps"], profile, options=case.get("options"))
+        if case.get("variant"):
+            res["variant"] = case["variant"]
         res.update(common)
         print(json.dumps(res), flush=True)
-        log(f"  {spec['model']:8s} {case['method']:10s} B={res['budget']} L={case['length']} b={res['batch']}: "
+        name = case["method"] + (f"[{case['variant']}]" if case.get("variant") else "")
+        log(f"  {spec['model']:8s} {name:14s} B={res['budget']} L={case['length']} b={res['batch']}: "
             + (f"{res['step_ms_mean']:.1f} ms/step ({res['tok_s']:.2f} tok/s)" if "step_ms_mean" in res
                else f"prefill {res['prefill_s']:.2f} s") + f"  [{time.perf_counter() - t0:.1f} s]")
     return 0
@@ -156,21 +199,86 @@ def _run_group(spec: dict, timeout: int) -> list[dict]:
 
 
 # -- suites ---------------------------------------------------------------------------------------
-def _method_cases(methods, budgets, length, batch):
+def parse_cache_variants(text: str | None) -> list[tuple[str, dict]]:
+    """"old=refine_pages=0;sub2=score_subpages=2,refine_pages=0" -> [("old", {...}), ("sub2", {...})].
+
+    Variants are separated by ";", each `LABEL=FIELD=VALUE[,FIELD=VALUE...]`; the fields are parsed by
+    `methods.parse_cache_options` (so a value list such as `dense_layers=0:1` works as it does there)."""
+    variants: list[tuple[str, dict]] = []
+    for item in filter(None, (part.strip() for part in (text or "").split(";"))):
+        label, sep, fields = item.partition("=")
+        label = label.strip()
+        options = parse_cache_options(fields)
+        if not sep or not label or not options:
+            raise ValueError(f"cache variant {item!r}: write LABEL=FIELD=VALUE[,FIELD=VALUE...], "
+                             "e.g. old=refine_pages=0")
+        if not all(c.isalnum() or c in "_.-" for c in label):
+            raise ValueError(f"cache variant label {label!r}: use letters, digits, '_', '.', '-'")
+        if label in [v[0] for v in variants]:
+            raise ValueError(f"cache variant label {label!r} given twice")
+        variants.append((label, options))
+    return variants
+
+
+def _case_options(args) -> tuple[dict, list[tuple[str | None, dict]]]:
+    """The `--cache-options` fields and the variants to run: (None, those fields) first, then each labelled
+    variant's fields on top of them. Every variant is checked against every budget here, so a bad field fails
+    before any worker starts."""
+    from fc_hf.config import FlexiCacheConfig
+
+    common = parse_cache_options(getattr(args, "cache_options", ""))
+    variants = [(None, common)] + [(label, {**common, **opts})
+                                   for label, opts in parse_cache_variants(getattr(args, "cache_variants", ""))]
+    for label, opts in variants:
+        for budget in parse_sizes(args.budgets):
+            try:
+                FlexiCacheConfig(token_budget=budget, **opts)
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"cache options {opts} ({label or 'default'}) at budget {budget}: {e}") from e
+    return common, variants
+
+
+def _method_cases(methods, budgets, length, batch, variants=((None, {}),)):
+    """The cases of one (length, batch): dense; then per budget the floor, Quest and FlexiCache with the
+    unlabelled options, then each labelled variant. A variant whose config equals the unlabelled one for that
+    method (e.g. refine_pages=0 for Quest, which never refines) is the same case twice and is left out."""
     cases = []
     if "dense" in methods:
         cases.append({"method": "dense", "budget": None, "length": length, "batch": batch})
+    default_opts = dict(variants[0][1]) if variants else {}
     for budget in budgets:
-        for m in ("quest", "flexicache"):
-            if m in methods:
-                cases.append({"method": m, "budget": budget, "length": length, "batch": batch})
+        if "floor" in methods:
+            cases.append({"method": "floor", "budget": budget, "length": length, "batch": batch})
+        for label, opts in variants:
+            for m in FLEXI_METHODS:
+                if m not in methods:
+                    continue
+                if label is not None and (method_config(m, budget, base=_base_config(opts))
+                                          == method_config(m, budget, base=_base_config(default_opts))):
+                    log(f"bench: {m}[{label}] is {m} itself at B={budget} ({opts}); not run twice")
+                    continue
+                case = {"method": m, "budget": budget, "length": length, "batch": batch}
+                if opts:
+                    case["options"] = dict(opts)
+                if label is not None:
+                    case["variant"] = label
+                cases.append(case)
     return cases
+
+
+def _methods(args) -> list[str]:
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    unknown = [m for m in methods if m not in BENCH_METHODS]
+    if unknown:
+        raise ValueError(f"--methods: unknown {unknown}; choose from {', '.join(BENCH_METHODS)}")
+    return methods
 
 
 def _decode_groups(args) -> list[dict]:
     models = [m for m in args.models.split(",") if m]
     lengths, batches, budgets = parse_sizes(args.lengths), parse_sizes(args.batches), parse_sizes(args.budgets)
-    methods = [m for m in args.methods.split(",") if m]
+    methods = _methods(args)
+    _, variants = _case_options(args)
 
     # The issue-7 targets come first (SmolLM2, 16k/32k/4k), so a run cut short still answers them.
     def priority(key):
@@ -184,13 +292,14 @@ def _decode_groups(args) -> list[dict]:
         groups.append({"kind": "decode", "model": model, "lengths": [length], "steps": args.steps,
                        "layers": args.llama_layers if model == "llama8b" else None, "threads": args.threads,
                        "unstable_fraction": args.unstable_fraction,
-                       "cases": _method_cases(methods, budgets, length, batch)})
+                       "cases": _method_cases(methods, budgets, length, batch, variants)})
     return groups
 
 
 def _case_key(model: str, case: dict) -> tuple:
-    budget = case.get("budget") if case["method"] in ("quest", "flexicache") else None
-    return (model, case["method"], budget, case["length"], case.get("batch", 1))
+    """Which earlier result a case replaces: same model, method, budget, length, batch and variant label."""
+    budget = case.get("budget") if case["method"] in FLEXI_METHODS + ("floor",) else None
+    return (model, case["method"], budget, case["length"], case.get("batch", 1), case.get("variant"))
 
 
 def _run_suite(name: str, groups: list[dict], args, out: Path) -> list[dict]:
@@ -217,21 +326,26 @@ def suite_decode(args, out: Path):
 def suite_batch(args, out: Path):
     length = parse_sizes(args.batch_length)[0]
     budgets = parse_sizes(args.budgets)[:1]
-    methods = [m for m in args.methods.split(",") if m]
+    methods = _methods(args)
+    _, variants = _case_options(args)
     model = [m for m in args.models.split(",") if m][0]
     groups = [{"kind": "batch", "model": model, "lengths": [length], "steps": args.steps, "threads": args.threads,
                "unstable_fraction": args.unstable_fraction,
                "layers": args.llama_layers if model == "llama8b" else None,
-               "cases": _method_cases(methods, budgets, length, b)} for b in parse_sizes(args.batch_sizes)]
+               "cases": _method_cases(methods, budgets, length, b, variants)} for b in parse_sizes(args.batch_sizes)]
     return _run_suite("batch", groups, args, out)
 
 
 def suite_prefill(args, out: Path):
     model = [m for m in args.models.split(",") if m][0]
     budget = parse_sizes(args.budgets)[0]
+    options, _ = _case_options(args)  # --cache-options apply; variants are for the decode and batch suites
     cases = []
     for length in parse_sizes(args.prefill_lengths):
         cases += [{"method": m, "budget": budget, "length": length} for m in ("dense", "flexicache")]
+    for case in cases:
+        if case["method"] == "flexicache" and options:
+            case["options"] = dict(options)
     groups = [{"kind": "prefill", "model": model, "lengths": parse_sizes(args.prefill_lengths), "threads": args.threads,
                "unstable_fraction": args.unstable_fraction, "cases": cases,
                "layers": args.llama_layers if model == "llama8b" else None}]
@@ -246,7 +360,8 @@ def suite_rerank(args, out: Path):
         return []
     decode = json.loads(path.read_text())["results"]
     rows = []
-    index = {(r["model"], r["method"], r["budget"], r["length"], r["batch"]): r for r in decode}
+    index = {(r["model"], r["method"], r["budget"], r["length"], r["batch"]): r for r in decode
+             if not r.get("variant")}  # the unlabelled configuration only
     for (model, method, budget, length, batch), r in sorted(index.items(), key=lambda kv: str(kv[0])):
         if method != "flexicache":
             continue

@@ -470,7 +470,7 @@ def comparison_table(before: list[dict], after: list[dict], kinds=("plain", "rer
 def suite_ops(args, out: Path) -> list[dict]:
     shapes = [s for s in args.ops_shapes.split(",") if s]
     backends = [b for b in args.ops_backends.split(",") if b]
-    methods = [m for m in args.methods.split(",") if m]
+    methods = [m for m in args.methods.split(",") if m and m != "floor"]  # floor: a timing baseline only
     options = parse_cache_options(args.ops_cache_options)
     results = []
     for shape in shapes:

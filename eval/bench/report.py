@@ -58,6 +58,8 @@ def kv_bytes_read(r: dict, itemsize: int = 4) -> int:
     length = r["length"]
     if r["method"] == "dense":
         return rows * length * per_token
+    if r["method"] == "floor":  # dense over the cache's `budget` tokens
+        return rows * r.get("cache_tokens", min(length, r["budget"])) * per_token
     pages = math.ceil(length / 16)
     u = 1.0 if r["method"] == "quest" else r.get("unstable_share", 1.0)  # Quest scores every head every step
     attended = min(length, r["budget"] + 16)
@@ -66,7 +68,75 @@ def kv_bytes_read(r: dict, itemsize: int = 4) -> int:
 
 
 def _index(rows):
-    return {(r["model"], r["method"], r.get("budget"), r["length"], r["batch"]): r for r in rows}
+    """The unlabelled rows (no `variant`) by (model, method, budget, length, batch)."""
+    return {(r["model"], r["method"], r.get("budget"), r["length"], r["batch"]): r for r in rows if not r.get("variant")}
+
+
+METHOD_NAMES = {"dense": "dense", "quest": "Quest", "flexicache": "FlexiCache"}
+
+
+def case_name(r: dict) -> str:
+    """A row's name in the tables: "dense over 1024 tokens (floor)", "FlexiCache [old]", ..."""
+    if r["method"] == "floor":
+        return f"dense over {r.get('cache_tokens', r['budget'])} tokens (floor)"
+    name = METHOD_NAMES.get(r["method"], r["method"])
+    return name + (f" [{r['variant']}]" if r.get("variant") else "")
+
+
+def _method_label(r: dict) -> str:
+    """The method column of the per-row tables: the method, with its variant label."""
+    return r["method"] + (f"[{r['variant']}]" if r.get("variant") else "")
+
+
+def _options_text(options: dict | None) -> str:
+    return ", ".join(f"{k}={':'.join(map(str, v)) if isinstance(v, (tuple, list)) else v}"
+                     for k, v in (options or {}).items()) or "–"
+
+
+def _ratio(a: dict | None, b: dict | None) -> str:
+    return _f(a["tok_s"] / b["tok_s"], 2) + "×" if a and b and a is not b else "–"
+
+
+def side_by_side_tables(rows: list[dict]) -> list[str]:
+    """One table per model: every case of each (batch, context) as its own row (dense, then per budget the floor,
+    Quest, Quest's variants, FlexiCache, FlexiCache's variants), with its tok/s over dense's, over the floor's
+    (same budget) and over the unlabelled row of its method ("× default", variants only)."""
+    order = {"dense": 0, "floor": 1, "quest": 2, "flexicache": 3}
+    labels = {}  # variant label -> first-seen order
+    for r in rows:
+        if r.get("variant"):
+            labels.setdefault(r["variant"], len(labels))
+    idx = _index(rows)
+    parts = []
+    for model in sorted({r["model"] for r in rows}, key=lambda m: (m != "smollm2", m)):
+        table = []
+        mine = sorted((r for r in rows if r["model"] == model and r["method"] in order),
+                      key=lambda r: (r["batch"], r["length"], r.get("budget") or 0, order[r["method"]],
+                                     -1 if not r.get("variant") else labels[r["variant"]]))
+        for r in mine:
+            at = (r["length"], r["batch"])
+            dense = idx.get((model, "dense", None) + at)
+            floor = idx.get((model, "floor", r.get("budget")) + at) if r.get("budget") else None
+            default = idx.get((model, r["method"], r.get("budget")) + at) if r.get("variant") else None
+            table.append([r["batch"], _k(r["length"]), r.get("budget") or "–", case_name(r),
+                          _options_text(r.get("options")), _f(r.get("step_ms_mean")), _f(r.get("tok_s"), 2),
+                          _ratio(r, dense), _ratio(r, floor), _ratio(r, default)])
+        parts.append(f"**{model}**\n\n" + _table(["batch", "context", "budget", "case", "options", "ms/step", "tok/s",
+                                                  "× dense", "× floor", "× default"], table))
+    return parts
+
+
+def _has_side_by_side(rows: list[dict]) -> bool:
+    return any(r["method"] == "floor" or r.get("variant") for r in rows)
+
+
+SIDE_BY_SIDE_TEXT = (
+    "Every case of one (context, batch) was timed in the same worker, one after the other. 'dense over B tokens "
+    "(floor)' is the `dense` case (`DynamicCache` + sdpa) over a cache of only B tokens: a step that attends as "
+    "many tokens as FlexiCache does, with no scoring, selection or paging, so FlexiCache's '× floor' is how close it "
+    "comes to that bound. A row with a [label] is a configuration variant (`--cache-variants`): Quest or "
+    "FlexiCache with the `FlexiCacheConfig` fields in 'options' set; '× default' is its tok/s over the unlabelled "
+    "row of the same method and budget. Ratios are of tok/s (> 1: faster).")
 
 
 # -- plots ------------------------------------------------------------------------------------------
@@ -79,7 +149,9 @@ def _plots(out: Path, docs: Path, decode, memory, rerank, batch, promotion) -> l
     made = []
     img = docs / "bench"
     img.mkdir(parents=True, exist_ok=True)
-    colors = {"dense": "tab:gray", "quest": "tab:orange", "flexicache": "tab:blue"}
+    colors = {"dense": "tab:gray", "floor": "tab:green", "quest": "tab:orange", "flexicache": "tab:blue"}
+    decode = [r for r in decode if not r.get("variant")]  # the plots show the unlabelled configuration
+    batch = [r for r in batch if not r.get("variant")]
 
     def save(fig, name):
         fig.tight_layout()
@@ -91,13 +163,14 @@ def _plots(out: Path, docs: Path, decode, memory, rerank, batch, promotion) -> l
         keys = sorted({(r["model"], r["batch"]) for r in decode})
         fig, axes = plt.subplots(1, len(keys), figsize=(4.2 * len(keys), 3.4), squeeze=False)
         for ax, (model, b) in zip(axes[0], keys):
-            for method in ("dense", "quest", "flexicache"):
+            for method in ("dense", "floor", "quest", "flexicache"):
                 budgets = sorted({r.get("budget") for r in decode if r["method"] == method}, key=lambda x: x or 0)
                 for budget in budgets:
                     pts = sorted((r["length"], r["tok_s"]) for r in decode if r["model"] == model and r["batch"] == b
                                  and r["method"] == method and r.get("budget") == budget)
                     if pts:
-                        label = method if budget is None else f"{method} B={budget}"
+                        label = method if budget is None else (f"dense over {budget} tokens (floor)" if method ==
+                                                               "floor" else f"{method} B={budget}")
                         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", color=colors[method],
                                 linestyle="-" if budget in (None, 1024) else "--", label=label)
             ax.set_xscale("log", base=2)
@@ -155,10 +228,11 @@ def _plots(out: Path, docs: Path, decode, memory, rerank, batch, promotion) -> l
 
     if batch:
         fig, ax = plt.subplots(figsize=(5.5, 3.6))
-        for method in ("dense", "quest", "flexicache"):
+        for method in ("dense", "floor", "quest", "flexicache"):
             pts = sorted((r["batch"], r["step_ms_mean"]) for r in batch if r["method"] == method)
             if pts:
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", color=colors[method], label=method)
+                label = f"dense over {batch[0].get('budget') or '?'} tokens (floor)" if method == "floor" else method
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", color=colors[method], label=label)
         ax.set_xlabel("batch size")
         ax.set_ylabel("ms per decode step")
         ax.set_title(f"Decode latency vs batch ({_k(batch[0]['length'])} tokens)")
@@ -182,12 +256,13 @@ def _decode_tables(decode) -> list[str]:
     idx = _index(decode)
     parts = []
     budgets = sorted({r["budget"] for r in decode if r.get("budget")})
+    floors = any(r["method"] == "floor" for r in decode)
     for model in sorted({r["model"] for r in decode}, key=lambda m: m != "smollm2"):
         for b in sorted({r["batch"] for r in decode if r["model"] == model}):
             header = ["context", "dense ms/step", "dense tok/s"]
             for budget in budgets:
                 header += [f"Quest B={budget} tok/s", f"FlexiCache B={budget} tok/s", f"Flexi/dense B={budget}",
-                           f"Flexi/Quest B={budget}"]
+                           f"Flexi/Quest B={budget}"] + ([f"Flexi/floor B={budget}"] if floors else [])
             rows = []
             for length in sorted({r["length"] for r in decode if r["model"] == model and r["batch"] == b}):
                 d = idx.get((model, "dense", None, length, b))
@@ -198,6 +273,8 @@ def _decode_tables(decode) -> list[str]:
                     row += [_f(q and q["tok_s"], 2), _f(f and f["tok_s"], 2),
                             _f(f["tok_s"] / d["tok_s"], 2) + "×" if f and d else "–",
                             _f(f["tok_s"] / q["tok_s"], 2) + "×" if f and q else "–"]
+                    if floors:
+                        row.append(_ratio(f, idx.get((model, "floor", budget, length, b))))
                 rows.append(row)
             parts.append(f"**{model}, batch {b}**\n\n" + _table(header, rows))
     return parts
@@ -205,12 +282,12 @@ def _decode_tables(decode) -> list[str]:
 
 def _breakdown_table(decode) -> str:
     rows = []
-    for r in sorted(decode, key=lambda r: (r["model"] != "smollm2", r["model"], r["batch"], r.get("budget") or 0, r["length"], r["method"])):
+    for r in sorted(decode, key=lambda r: (r["model"] != "smollm2", r["model"], r["batch"], r.get("budget") or 0, r["length"], r["method"], r.get("variant") or "")):
         if "breakdown_ms" not in r:
             continue
         bd = r["breakdown_ms"]
         sel = bd.get("scoring", 0) + bd.get("selection", 0)
-        rows.append([r["model"], r["method"], r["budget"], r["batch"], _k(r["length"]), _f(r["step_ms_mean"]),
+        rows.append([r["model"], _method_label(r), r["budget"], r["batch"], _k(r["length"]), _f(r["step_ms_mean"]),
                      _f(bd.get("scoring"), 2), _f(bd.get("selection"), 2), _f(bd.get("gather_attention"), 2),
                      _f(bd.get("promotion"), 2), _f(bd.get("other"), 1), _f(100 * sel / r["step_ms_mean"], 1)])
     return _table(["model", "method", "budget", "batch", "context", "step ms", "scoring", "selection", "gather+attn",
@@ -219,9 +296,9 @@ def _breakdown_table(decode) -> str:
 
 def _memory_per_method_table(decode) -> str:
     rows = []
-    for r in sorted(decode, key=lambda r: (r["model"] != "smollm2", r["model"], r["batch"], r["length"], r["method"], r.get("budget") or 0)):
+    for r in sorted(decode, key=lambda r: (r["model"] != "smollm2", r["model"], r["batch"], r["length"], r["method"], r.get("budget") or 0, r.get("variant") or "")):
         m = r.get("memory", {})
-        rows.append([r["model"], r["method"], r.get("budget") or "–", r["batch"], _k(r["length"]),
+        rows.append([r["model"], _method_label(r), r.get("budget") or "–", r["batch"], _k(r["length"]),
                      _f(r.get("peak_rss_mb"), 0), _f(m.get("device_kv_bytes", 0) / 2**20, 0),
                      _f(m.get("host_kv_bytes", 0) / 2**20, 0), _f(m.get("metadata_bytes", 0) / 2**20, 1),
                      _f(m.get("dense_kv_bytes", 0) / 2**20, 0), _f(r.get("ingest_s"), 2), _f(r.get("first_step_ms"), 0)])
@@ -231,17 +308,17 @@ def _memory_per_method_table(decode) -> str:
 
 def _bandwidth_table(decode) -> str:
     rows = []
-    for r in sorted(decode, key=lambda r: (r["model"] != "smollm2", r["model"], r["batch"], r["length"], r["method"], r.get("budget") or 0)):
+    for r in sorted(decode, key=lambda r: (r["model"] != "smollm2", r["model"], r["batch"], r["length"], r["method"], r.get("budget") or 0, r.get("variant") or "")):
         if r.get("budget") not in (None, 1024):
             continue
         wb = weight_bytes(r["model"], r.get("layers"))
         kv = kv_bytes_read(r)
         total = wb + kv
         floor_ms = total / (READ_BANDWIDTH_GBS * 1e9) * 1e3
-        rows.append([r["model"], r["method"], r["batch"], _k(r["length"]), _f(wb / 1e6, 0), _f(kv / 1e6, 0),
+        rows.append([r["model"], _method_label(r), r["batch"], _k(r["length"]), _f(wb / 1e6, 0), _f(kv / 1e6, 0),
                      _f(floor_ms, 1), _f(r["step_ms_mean"], 1), _f(total / (r["step_ms_mean"] * 1e6), 1)])
     return _table(["model", "method", "batch", "context", "weights MB/step", "KV+meta MB/step",
-                   f"floor ms at {READ_BANDWIDTH_GBS:.0f} GB/s", "measured ms", "effective GB/s"], rows)
+                   f"read time ms at {READ_BANDWIDTH_GBS:.0f} GB/s", "measured ms", "effective GB/s"], rows)
 
 
 def _targets(decode, rerank) -> tuple[str, list[str]]:
@@ -310,7 +387,12 @@ def write_report(out: Path, docs: Path) -> Path:
         "",
         "Methods: **dense** = `DynamicCache` + sdpa (what users run); **Quest** = FlexiCache with no profile (every "
         "head re-ranked every step, everything on the device, `offload=False`); **FlexiCache** = a profile with ~25% "
-        "unstable heads, stable heads re-ranked every 16 steps, host tier on. Models have random weights (speed "
+        "unstable heads, stable heads re-ranked every 16 steps, host tier on; **dense over B tokens (floor)** = the "
+        "dense case over a cache of only B (the budget) tokens, the cost of a step that attends as many tokens as "
+        "FlexiCache with none of its work (`--methods` `floor`); configuration variants (`--cache-variants "
+        "\"LABEL=FIELD=VALUE,...;...\"`) add Quest / FlexiCache cases with those `FlexiCacheConfig` fields, timed in "
+        "the same run and shown as rows of their own with their ratio to dense, to the floor and to the unlabelled "
+        "row. Models have random weights (speed "
         "does not depend on their values): `smollm2` is SmolLM2-135M's exact shape (30 layers, hidden 576, 9 / 3 "
         "heads, head_dim 64, MLP 1536, fp32); `llama8b` is Llama-3.1-8B's layer shape (hidden 4096, 32 / 8 heads, "
         "head_dim 128, MLP 14336) with 2 layers and a 32k vocabulary, so KV bytes per weight byte per layer are the "
@@ -329,6 +411,9 @@ def write_report(out: Path, docs: Path) -> Path:
         table, _ = _targets(decode, rerank)
         md += ["## Issue 7 targets", "", table, ""]
         md += ["## Decode throughput", ""] + [p + "\n" for p in _decode_tables(decode)]
+        if _has_side_by_side(decode):
+            md += ["### Side by side: the floor and configuration variants", "", SIDE_BY_SIDE_TEXT, ""]
+            md += [p + "\n" for p in side_by_side_tables(decode)]
         if "decode_throughput.png" in plots:
             md += ["![decode throughput](bench/decode_throughput.png)", ""]
         md += ["## Where a decode step goes (ms per step)", "",
@@ -366,14 +451,21 @@ def write_report(out: Path, docs: Path) -> Path:
     if batch:
         idx = _index(batch)
         rows = []
+        bbudget = next((r["budget"] for r in batch if r["method"] in ("quest", "flexicache", "floor")), 1024)
+        floor_col = (("floor", bbudget),) if any(r["method"] == "floor" for r in batch) else ()
         for b in sorted({r["batch"] for r in batch}):
             cells = [b]
-            for m, budget in (("dense", None), ("quest", 1024), ("flexicache", 1024)):
+            for m, budget in (("dense", None), ("quest", bbudget), ("flexicache", bbudget)) + floor_col:
                 r = idx.get((batch[0]["model"], m, budget, batch[0]["length"], b))
                 cells += [_f(r and r["step_ms_mean"]), _f(r and r["tok_s"], 1)]
             rows.append(cells)
-        md += [f"## Decode latency vs batch (Fig. 7; {batch[0]['model']}, {_k(batch[0]['length'])} tokens, budget 1024)", "",
-               _table(["batch", "dense ms", "dense tok/s", "Quest ms", "Quest tok/s", "FlexiCache ms", "FlexiCache tok/s"], rows), ""]
+        md += [f"## Decode latency vs batch (Fig. 7; {batch[0]['model']}, {_k(batch[0]['length'])} tokens, "
+               f"budget {bbudget})", "",
+               _table(["batch", "dense ms", "dense tok/s", "Quest ms", "Quest tok/s", "FlexiCache ms", "FlexiCache tok/s"]
+                      + (["floor ms", "floor tok/s"] if floor_col else []), rows), ""]
+        if _has_side_by_side(batch):
+            md += ["### Side by side: the floor and configuration variants (batch suite)", "", SIDE_BY_SIDE_TEXT, ""]
+            md += [p + "\n" for p in side_by_side_tables(batch)]
         if "latency_vs_batch.png" in plots:
             md += ["![latency vs batch](bench/latency_vs_batch.png)", ""]
     if memory:
