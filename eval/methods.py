@@ -85,8 +85,8 @@ def method_config(method: str, budget: int = 1024, model_config=None, base=None)
     base = replace(base or FlexiCacheConfig(), token_budget=int(budget))
     if method == "flexicache":
         return base
-    if method == "quest":  # the authors' Quest: its bound alone chooses (no exact refinement)
-        return replace(base, offload=False, refine_pages=0)
+    if method == "quest":  # the authors' Quest: its bound over one MinMax entry per page alone chooses (no refinement)
+        return replace(base, offload=False, refine_pages=0, score_subpages=1)
     if method == "no-rerank":
         return replace(base, rerank_interval=NO_RERANK_INTERVAL)
     if method == "uniform":

@@ -57,6 +57,7 @@ DEFAULT_POLICIES = (
     Policy("quest recent4", recent_pages=4),
     Policy("quest refine 2K", refine=128),
     Policy("quest refine 4K", refine=256),
+    Policy("quest sub2 refine 2K", subpages=2, refine=128),  # the default (FlexiCacheConfig()) at budget 1024
     Policy("quest +tail", tail=True),
     Policy("group_mean sub2 +tail", page_score="group_mean", subpages=2, tail=True),
     Policy("oracle", page_score="oracle"),

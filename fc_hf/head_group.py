@@ -61,7 +61,7 @@ class HeadGroup:
         self.head_index = torch.tensor(self.heads, device=device)
         self.store = PagedKV(
             batch, len(self.heads), self.cfg.page_size, head_dim, value_dim, dtype, device, tiered=self.tiered,
-            subpages=self.cfg.score_subpages, page_means=self.cfg.tail_estimate,
+            subpages=self.cfg.subpages, page_means=self.cfg.tail_estimate,
         )
 
     @contextmanager

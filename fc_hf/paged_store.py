@@ -13,7 +13,7 @@ Host tier (`tiered=True`): every full page is written once, when it fills, into
 dropping a device page copies nothing; a promotion copies host -> device.
 
 MinMax cache: `meta[row, page * S + s] = [kmax, kmin]` of sub-page `s` (`[N, Pcap * S, 2D]`, KV dtype;
-`S = score_subpages`, 1 by default: one entry per page) for every full page,
+`S = FlexiCacheConfig.subpages`, 2 by default at an even page size; 1 = the authors' one entry per page) for every full page,
 written when the page fills, always on the device and never offloaded. It is stored channel-major
 (`meta_t`, `[N, 2D, Pcap]`) and handed out as a transposed view: scoring reads it as the right-hand
 side of a matmul, ~30% faster on a CPU in that layout, while pages are written only once.

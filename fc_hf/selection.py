@@ -128,7 +128,7 @@ class PageSelector:
         self.cfg = cfg
         self.workspace = workspace  # the cache's kernels.GatherWorkspace (shared per-step tables), or None
         self.k = cfg.pages_per_head
-        self.subpages = cfg.score_subpages
+        self.subpages = cfg.subpages
         self.how = page_score or cfg.page_score
         self.recent = cfg.recent_pages
         self.refine = cfg.candidate_pages
@@ -140,9 +140,15 @@ class PageSelector:
 
         (The fused Quest kernel already puts the page being filled at +inf; `scores()` forces it on the other paths.)
         """
-        if self._kernel_scored():  # the kernel path (Triton on CUDA)
-            return kernels.score_pages(query, meta, num_pages, page_valid, backend=self.cfg.backend)
         s = self.subpages
+        if self._kernel_scored():  # the kernel path (Triton on CUDA): one launch over every MinMax entry
+            if s == 1:
+                return kernels.score_pages(query, meta, num_pages, page_valid, backend=self.cfg.backend)
+            # Max over sub-pages commutes with the group max; the kernel's +inf on the last entry (a sub-page of the
+            # page being filled) forces that page, and an invalid page's sub-pages are all -inf.
+            valid = None if page_valid is None else page_valid.repeat_interleave(s, dim=1)
+            entries = kernels.score_pages(query, meta, num_pages * s, valid, backend=self.cfg.backend)
+            return entries.view(entries.shape[0], num_pages, s).amax(dim=-1)
         bounds = head_bounds(query, meta, num_pages * s)
         if s > 1:  # a sub-page not yet written (in the page being filled) is all zeros; that page is forced anyway
             bounds = bounds.view(*bounds.shape[:2], num_pages, s).amax(dim=-1)
@@ -168,7 +174,7 @@ class PageSelector:
         return kernels.force_sink_pages(scores, self.cfg.sink_pages, page_valid)
 
     def _kernel_scored(self) -> bool:
-        return self.how == "quest" and self.subpages == 1
+        return self.how == "quest"
 
     def choose(self, scores: torch.Tensor) -> torch.Tensor:
         """The top-K pages of each row, `[N, min(K, Np)]` (all pages when there are at most K)."""

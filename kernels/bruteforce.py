@@ -98,7 +98,7 @@ def page_scores_bruteforce(
           (clamped to the last page; a forced sink page without an attendable token gets -inf).
     """
     how = page_score or cfg.page_score
-    p, subpages = cfg.page_size, cfg.score_subpages
+    p, subpages = cfg.page_size, cfg.subpages
     length, dim = keys.shape
     num_pages = -(-length // p)
     entries = minmax_bruteforce(keys, p, subpages)

@@ -203,7 +203,7 @@ def _check_group(cache, cfg, group, state, log, layer, step, query, out, valid, 
 
 
 def _check_metadata(cache, cfg, where):
-    p, s = cfg.page_size, cfg.score_subpages
+    p, s = cfg.page_size, cfg.subpages
     for layer in cache.flexi_layers:
         keys = cache.seen[layer.layer_idx][0]
         for group in layer.groups:

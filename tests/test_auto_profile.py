@@ -137,9 +137,9 @@ def test_classification_equals_the_profilers_on_the_recorded_trace(no_grad):
     """The trace is what the profiler's PageTracer records from the same queries and keys, and the set is
     what the profiler's own functions classify from it."""
     stream = Stream(batch=1, planted=PLANTED, steps=17)
-    # refine_pages=0: the profiler's tracer ranks by the Quest bound alone.
+    # refine_pages=0, score_subpages=1: the profiler's tracer ranks by the Quest bound of whole pages alone.
     cfg = FlexiCacheConfig(page_size=4, token_budget=32, rerank_interval=4, warmup_steps=16, sink_pages=0,
-                           refine_pages=0)
+                           refine_pages=0, score_subpages=1)
     auto = FlexiCache(stream.config, cfg, "auto")
     layers, kv_heads, dim = 3, 4, 16
     tracer = PageTracer(layers, kv_heads, dim, cfg.page_size, cfg.pages_per_head, 16)
@@ -315,7 +315,7 @@ def test_zero_warmup_trace_is_each_positions_own_ranking(no_grad):
     q = captured["q"]
     selector = PageSelector(cfg)
     for j, t in enumerate(range(90 - 32, 90)):
-        store = PagedKV(1, 4, 4, 16, 16, keys.dtype, keys.device, tiered=False)
+        store = PagedKV(1, 4, 4, 16, 16, keys.dtype, keys.device, tiered=False, subpages=cfg.subpages)
         store.append(keys[:, :, : t + 1], keys[:, :, : t + 1])
         qt = q[0, :, t].view(4, 2, 16)
         chosen = selector.select(selector.scores(qt, store, None, captured["scaling"]), qt, store, 1.0)

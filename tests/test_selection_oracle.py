@@ -55,7 +55,7 @@ def cases(draw):
         page_score=draw(st.sampled_from(["quest", "group_mean", "quest", "group_mean", "exact"])),
         stable_page_score="exact" if draw(st.integers(0, 3)) == 0 else None,
         refine_pages=draw(st.sampled_from([0, 0, None, k + draw(st.integers(1, 4))])),  # None: the default, 2K
-        score_subpages=draw(st.sampled_from([s for s in (1, 2, 4) if page_size % s == 0])),
+        score_subpages=draw(st.sampled_from([None] + [s for s in (1, 2, 4) if page_size % s == 0])),  # None: 2 if even
         sink_pages=sink,
         recent_pages=draw(st.integers(0, min(2, k - 1 - sink))),
         streaming_heads=(draw(st.sampled_from(pairs)),) if draw(st.integers(0, 3)) == 0 else (),
