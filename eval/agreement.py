@@ -45,7 +45,7 @@ from .metrics import normalize_answer, token_f1
 from .results import read_predictions
 
 __all__ = ["answer_f1", "pair_rows", "task_runs", "agreement_stats", "agreement_table", "agreement_markdown",
-           "write_agreement"]
+           "write_agreement", "bootstrap_indices", "percentile_interval", "with_interval"]
 
 # Settings that must match dense's for the answers to be to the same prompts.
 SAME_PROMPT_KEYS = ("max_prompt_tokens", "seq_length", "dtype")
@@ -111,7 +111,20 @@ def task_runs(task_dir: str | Path) -> dict[str, list[tuple[dict, dict]]] | None
             for _, name in sorted(found)}
 
 
-def _interval(values: np.ndarray) -> tuple[float | None, float | None]:
+def bootstrap_indices(sizes: Sequence[int], resamples: int = 2000, seed: int = 0) -> np.ndarray:
+    """`(resamples, sum(sizes))` indices into items laid out stratum after stratum (`sizes[i]` items in
+    stratum i): each row is one bootstrap resample, drawn with replacement within each stratum, so every
+    resample keeps the strata's sizes. Index arrays holding several values per item keep them paired."""
+    rng = np.random.default_rng(seed)
+    blocks, start = [], 0
+    for size in sizes:
+        blocks.append(start + rng.integers(0, size, size=(resamples, size)))
+        start += size
+    return np.concatenate(blocks, axis=1)
+
+
+def percentile_interval(values: np.ndarray) -> tuple[float | None, float | None]:
+    """The 2.5th and 97.5th percentiles of the finite `values` (bootstrap estimates); (None, None) if none."""
     values = values[np.isfinite(values)]
     if values.size == 0:
         return None, None
@@ -135,17 +148,12 @@ def agreement_stats(pairs_by_task: dict[str, Sequence[tuple[dict, dict]]], resam
     f1 = np.array([answer_f1(_answer(m), _answer(d)) for d, m in pairs])
     identical = np.array([_answer(m).strip() == _answer(d).strip() for d, m in pairs], dtype=float)
 
-    rng = np.random.default_rng(seed)
-    blocks, start = [], 0
-    for s in strata:
-        blocks.append(start + rng.integers(0, len(s), size=(resamples, len(s))))
-        start += len(s)
-    idx = np.concatenate(blocks, axis=1)  # (resamples, n): each row one resample of the questions
+    idx = bootstrap_indices([len(s) for s in strata], resamples, seed)  # (resamples, n): one resample a row
     boot_dense = dense[idx].mean(axis=1)
     with np.errstate(divide="ignore", invalid="ignore"):
         boot_ret = np.where(boot_dense > 0, method[idx].mean(axis=1) / boot_dense, np.nan)
-    ret_lo, ret_hi = _interval(boot_ret)
-    agr_lo, agr_hi = _interval(f1[idx].mean(axis=1))
+    ret_lo, ret_hi = percentile_interval(boot_ret)
+    agr_lo, agr_hi = percentile_interval(f1[idx].mean(axis=1))
     d_mean, m_mean = float(dense.mean()), float(method.mean())
     return {
         "n": len(pairs), "tasks": len(strata), "method_score": m_mean, "dense_score": d_mean,
@@ -223,7 +231,8 @@ def _fmt(x, digits: int = 3) -> str:
     return "n/a" if x is None else f"{x:.{digits}f}"
 
 
-def _with_interval(row: dict[str, Any], key: str) -> str:
+def with_interval(row: dict[str, Any], key: str) -> str:
+    """`row[key]` with its `key_low`, `key_high` interval: "0.812 [0.750, 0.861]" ("n/a" for a missing value)."""
     if row.get(key) is None:
         return "n/a"
     return f"{row[key]:.3f} [{_fmt(row[key + '_low'])}, {_fmt(row[key + '_high'])}]"
@@ -250,7 +259,7 @@ def agreement_markdown(rows: Sequence[dict[str, Any]], bench: str = "leval", res
         for r in [r for r in sel if not r["pooled"]] + [r for r in sel if r["pooled"]]:
             task = f"**{r['task']}** ({r['tasks']} tasks)" if r["pooled"] else r["task"]
             lines.append(f"| {task} | {r['run']} | {r['n']} | {r['method_score']:.3f} / {r['dense_score']:.3f} | "
-                         f"{_with_interval(r, 'retention')} | {_with_interval(r, 'agreement')} | {r['identical']:.3f} |")
+                         f"{with_interval(r, 'retention')} | {with_interval(r, 'agreement')} | {r['identical']:.3f} |")
         parts.append("\n".join(lines) + "\n")
     return "\n".join(parts)
 

@@ -13,7 +13,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["RunDir", "run_name", "run_folder", "read_predictions", "progress", "finished_metrics"]
+__all__ = ["RunDir", "run_name", "run_folder", "read_predictions", "progress", "finished_metrics", "config_diff",
+           "write_json", "EXTENSIBLE"]
+
+# Config keys that only add samples (a resumed run may extend them) or only describe the run.
+EXTENSIBLE = frozenset({"started", "profile_note", "tasks", "distances", "offsets", "kinds", "limit"})
 
 
 def _option_text(value) -> str:
@@ -45,6 +49,19 @@ def read_predictions(path: str | Path) -> list[dict[str, Any]]:
     return rows
 
 
+def config_diff(old: dict[str, Any], new: dict[str, Any], extensible=EXTENSIBLE) -> list[str]:
+    """The keys (outside `extensible`) on which two run configs differ: resuming across them would mix results."""
+    return sorted(k for k in set(old) | set(new) if k not in extensible and old.get(k) != new.get(k))
+
+
+def write_json(path: str | Path, data: Any) -> None:
+    """Write `data` as indented JSON through a temporary file, so an interrupted write never leaves half a file."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=1) + "\n")
+    tmp.replace(path)
+
+
 def progress(iterable, desc: str, total: int | None = None):
     """A progress bar over `iterable` (tqdm), as every evaluation loop shows one."""
     from tqdm.auto import tqdm
@@ -62,8 +79,7 @@ class RunDir:
             so this raises.
     """
 
-    # Keys that only add samples (a resumed run may extend them) or only describe the run.
-    EXTENSIBLE = frozenset({"started", "profile_note", "tasks", "distances", "offsets", "kinds", "limit"})
+    EXTENSIBLE = EXTENSIBLE
 
     def __init__(self, path: str | Path, config: dict[str, Any]):
         self.path = Path(path)
@@ -72,8 +88,7 @@ class RunDir:
         cfg_file = self.path / "config.json"
         if cfg_file.exists():
             old = json.loads(cfg_file.read_text())
-            keys = set(old) | set(self.config)
-            diff = sorted(k for k in keys if k not in self.EXTENSIBLE and old.get(k) != self.config.get(k))
+            diff = config_diff(old, self.config, self.EXTENSIBLE)
             if diff:
                 raise ValueError(
                     f"{self.path} holds a run with different settings ({', '.join(diff)}); use another --out "
@@ -103,9 +118,7 @@ class RunDir:
             f.write(json.dumps(row, ensure_ascii=False) + "\n")
 
     def write_metrics(self, metrics: dict[str, Any]) -> None:
-        tmp = self.path / "metrics.json.tmp"
-        tmp.write_text(json.dumps({**self.config, **metrics}, indent=1) + "\n")
-        tmp.replace(self.metrics_file)
+        write_json(self.metrics_file, {**self.config, **metrics})
 
     def metrics(self) -> dict[str, Any] | None:
         """The run's `metrics.json` (config included), or None before its first finished sample."""

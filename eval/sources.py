@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-__all__ = ["read_jsonl", "write_jsonl", "load_records"]
+__all__ = ["read_jsonl", "write_jsonl", "local_file", "load_records"]
 
 
 def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
@@ -32,7 +32,7 @@ def write_jsonl(path: str | Path, records) -> None:
             f.write(json.dumps(record, ensure_ascii=False) + "\n")
 
 
-def _local_file(local: str | Path, task: str) -> Path | None:
+def local_file(local: str | Path, task: str) -> Path | None:
     """`local` is either the task's JSONL file or a folder holding `<task>.jsonl`, directly or one folder
     down (LongBench's archive unpacks to `data/`, L-Eval's to `Open-ended-tasks/` and `Closed-ended-tasks/`)."""
     local = Path(local)
@@ -62,7 +62,7 @@ def load_records(
         The records as dicts, or None (after printing one line) when they cannot be loaded.
     """
     if local is not None:
-        path = _local_file(local, task)
+        path = local_file(local, task)
         if path is None:
             print(f"{benchmark} {task}: no {task}.jsonl under {local}; skipped.")
             return None
