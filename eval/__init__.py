@@ -9,6 +9,7 @@
 | `loading.py` | the model a run uses (bundled name or folder, dtype) |
 | `shared_prefill.py` | one dense prefill per sample, handed to every method's cache; prefix reuse across a document's questions |
 | `fidelity.py` | teacher-forced fidelity against dense: tasks, comparison, run loop |
+| `freerun.py` | free-running greedy continuations: repeated-4-gram rate and first divergence vs dense, bootstrap summary |
 | `ruler.py` | RULER through lm-eval's tasks: shared-prefill loop and lm-eval's own loop |
 | `generation.py` | LongBench / L-Eval run loop: greedy answers, scored per sample |
 | `longbench.py`, `leval.py`, `sources.py`, `metrics.py` | those benchmarks' data, prompts and metrics |

@@ -38,9 +38,11 @@ def _per_task_sets(extra: dict[str, Any]) -> dict[str, list] | None:
 
 # Evaluated task -> the profiler tasks (fc_hf.profiler.tasks) built from the same material, which must be
 # left out of its profile. Fidelity is teacher-forced continue/recall on the KJV text, exactly what the
-# profiler's kjv-continue and kjv-recall decode.
+# profiler's kjv-continue and kjv-recall decode. Free-running continuation of KJV passages (freerun) is
+# kjv-continue's.
 _SAME_MATERIAL = {
     "fidelity": ("kjv-continue", "kjv-recall"),
+    "freerun": ("kjv-continue",),
     "niah_single_1": ("ruler-niah",), "niah_multikey_2": ("ruler-niah",), "niah_multikey_3": ("ruler-niah",),
     "ruler_vt": ("ruler-vt",),
 }
