@@ -102,7 +102,8 @@ def test_plain_decode_step_ops_per_layer_stay_low():
     got = {}
     for method in ("dense", "quest", "flexicache"):
         case = bench_ops.count_case(model, config, method, 64, 136, 16, profile if method == "flexicache" else None,
-                                    options={"refine_pages": 0, "page_score": "quest", "tail_estimate": False})
+                                    options={"refine_pages": 0, "score_subpages": 1, "page_score": "quest",
+                                             "tail_estimate": False})
         got[method] = bench_ops.summarize(case)["plain"]["cache_attn_per_layer"]
     assert got["dense"] == 3
     assert got["quest"] <= 19  # 36 before (17 in the layer + the step's shared mask table, 2 ops over 2 layers)
