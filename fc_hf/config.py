@@ -51,9 +51,10 @@ class FlexiCacheConfig:
             "exact" re-scores with the true attention mass over all their keys every R steps.
         refine_pages (`int`, *optional*, defaults to 2 * K): the page score proposes this many candidate pages
             (>= K), their keys are read, and the K with the most exact attention mass among them are chosen. None
-            (the default) means 2 * K; 0 turns refinement off (the plain Quest bound, the authors' selection).
+            (the default) means 2 * K; 0 turns refinement off (the plain bound, as the authors select).
             2 * K: at budget 1024 on SmolLM2 it cut KL to dense 7x and raised teacher-forced agreement from 0.87
-            to 0.95, ahead of Quest at budget 1536, which reads as many bytes (docs/eval/selection.md).
+            to 0.95 (docs/eval/selection.md). A ranking then reads the candidates' keys and, for attention, the
+            kept pages' keys and values: 2x Quest's KV bytes at the same budget for a head ranked every step.
         tail_estimate (`bool`, *optional*, defaults to False): keep each unselected full page in the softmax as
             one term from its mean key and mean value (per-page means kept beside MinMax).
         backend (`str`, *optional*): "torch" or "triton" forces a kernel backend; None picks by device.

@@ -2,9 +2,10 @@
 
 A registered attention function ("flexicache_trace") sees every layer's post-RoPE query and full
 keys. At decode steps (query length 1) it keeps per-page key min/max (incrementally: a page's entry
-is written once, when it is full), scores the pages with FlexiCache's own scoring
-(`score_pages`: Quest bound, GQA max over the group, page being filled forced in) and records the
-top-K indices per KV head. The output then comes from transformers' sdpa attention over all keys,
+is written once, when it is full), scores the pages with the Quest bound (`score_pages`: one
+MinMax entry per page, GQA max over the group, page being filled forced in; no sink page, sub-pages or
+refinement, i.e. the authors' selection, not FlexiCache's default) and records the top-K indices per KV
+head: stability is measured on the bound's choices, as the paper does. The output then comes from transformers' sdpa attention over all keys,
 so the trace reflects the model, never FlexiCache's own choices.
 """
 
