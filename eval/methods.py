@@ -5,7 +5,9 @@
 | dense       | transformers' `DynamicCache` with sdpa attention: the reference                     |
 | flexicache  | stability-aware: the profile's unstable heads re-ranked every step, stable heads    |
 |             | every R=16 steps, host tier on                                                      |
-| quest       | no profile: every head re-ranked every step, everything on the device (Quest)       |
+| quest       | no profile: every head re-ranked every step, everything on the device (Quest); its  |
+|             | own selection (one MinMax entry per page, no refinement) unless the cache options   |
+|             | set `score_subpages` / `refine_pages`                                               |
 | no-rerank   | every head stable, R=10**9: the top-K chosen at the first decode step stays         |
 |             | (permanent eviction, SnapKV-like)                                                   |
 | uniform     | every head stable, re-ranked every R=16 steps (no stability awareness)              |
@@ -22,6 +24,7 @@ Which keyword `generate` takes the cache under is `fc_hf.compat.cache_kwargs`.
 
 from __future__ import annotations
 
+import json
 from dataclasses import asdict, replace
 from typing import Any, Sequence
 
@@ -38,6 +41,7 @@ __all__ = [
     "method_runs",
     "parse_cache_options",
     "cache_defaults",
+    "resolved_config",
 ]
 
 METHODS = ("dense", "flexicache", "quest", "no-rerank", "uniform", "lserve")
@@ -47,6 +51,9 @@ ABLATION = (("no-rerank", 1024), ("uniform", 1024), ("flexicache", 1024), ("flex
 
 NO_RERANK_INTERVAL = 10**9
 LSERVE_RERANK_INTERVAL = 4
+# Quest's selection where the caller leaves `refine_pages` / `score_subpages` unset: no refinement, one MinMax entry per page.
+QUEST_REFINE_PAGES = 0
+QUEST_SCORE_SUBPAGES = 1
 
 
 def _check(method: str) -> None:
@@ -85,8 +92,13 @@ def method_config(method: str, budget: int = 1024, model_config=None, base=None)
     base = replace(base or FlexiCacheConfig(), token_budget=int(budget))
     if method == "flexicache":
         return base
-    if method == "quest":  # the authors' Quest: its bound over one MinMax entry per page alone chooses (no refinement)
-        return replace(base, offload=False, refine_pages=0, score_subpages=1)
+    if method == "quest":
+        # The authors' Quest: its bound over one MinMax entry per page alone chooses (no refinement). Only the
+        # fields left unset (None) take those values; ones the caller set (`--cache-options`) are kept, as the
+        # run's folder name and config say.
+        return replace(base, offload=False,
+                       refine_pages=QUEST_REFINE_PAGES if base.refine_pages is None else base.refine_pages,
+                       score_subpages=QUEST_SCORE_SUBPAGES if base.score_subpages is None else base.score_subpages)
     if method == "no-rerank":
         return replace(base, rerank_interval=NO_RERANK_INTERVAL)
     if method == "uniform":
@@ -192,9 +204,26 @@ def parse_cache_options(text: str | None) -> dict[str, Any]:
 
 
 def cache_defaults(base=None) -> dict[str, Any]:
-    """The `FlexiCacheConfig` fields no method sets, recorded in every run's config so that a resumed run
-    never mixes results made under different defaults."""
+    """The `FlexiCacheConfig` a run starts from (`base`, or the defaults), recorded in every run's config so that a
+    resumed run never mixes results made under different defaults.
+
+    Every field is recorded (JSON-safe: tuples become lists), plus the values the unset fields resolve to:
+    `subpages` (`score_subpages` None -> 2 at an even page size) and `candidate_pages` (`refine_pages` None -> 2 * K,
+    at the base's own `token_budget`), so that a change of how the defaults resolve also shows.
+    """
     from fc_hf.config import FlexiCacheConfig
 
-    cfg = asdict(base or FlexiCacheConfig())
-    return {k: cfg[k] for k in ("page_size", "rerank_interval", "sink_pages", "promotion", "dense_layers")}
+    cfg = base or FlexiCacheConfig()
+    record = {**asdict(cfg), "subpages": cfg.subpages, "candidate_pages": cfg.candidate_pages}
+    return json.loads(json.dumps(record))
+
+
+def resolved_config(cfg):
+    """`cfg` with `score_subpages` and `refine_pages` replaced by what they resolve to (`subpages`, `candidate_pages`).
+
+    Two configs that behave the same compare equal this way: `FlexiCacheConfig(score_subpages=2)` and
+    `FlexiCacheConfig()` differ as dataclasses, but not once resolved. None stays None (dense).
+    """
+    if cfg is None:
+        return None
+    return replace(cfg, score_subpages=cfg.subpages, refine_pages=cfg.candidate_pages)

@@ -49,9 +49,28 @@ def read_predictions(path: str | Path) -> list[dict[str, Any]]:
     return rows
 
 
+def _differ(old: dict[str, Any], new: dict[str, Any], key: str) -> bool:
+    # A key on one side only differs, whatever the other side's value (even None): a setting recorded now and not
+    # then (e.g. a new cache field) means the old run may have been made under another value of it.
+    return (key in old) != (key in new) or old.get(key) != new.get(key)
+
+
 def config_diff(old: dict[str, Any], new: dict[str, Any], extensible=EXTENSIBLE) -> list[str]:
-    """The keys (outside `extensible`) on which two run configs differ: resuming across them would mix results."""
-    return sorted(k for k in set(old) | set(new) if k not in extensible and old.get(k) != new.get(k))
+    """The keys (outside `extensible`) on which two run configs differ: resuming across them would mix results.
+
+    A key present on one side and missing on the other is a difference. Where both values are dicts (e.g.
+    `cache_defaults`), the differing entries are named `key.entry`.
+    """
+    diff = []
+    for k in sorted(set(old) | set(new)):
+        if k in extensible or not _differ(old, new, k):
+            continue
+        a, b = old.get(k), new.get(k)
+        if isinstance(a, dict) and isinstance(b, dict):
+            diff += [f"{k}.{e}" for e in sorted(set(a) | set(b)) if _differ(a, b, e)]
+        else:
+            diff.append(k)
+    return diff
 
 
 def write_json(path: str | Path, data: Any) -> None:

@@ -37,6 +37,29 @@ def test_method_configs(tiny):
         M.method_config("lserve", 1024, None)
 
 
+def test_quest_keeps_the_selection_fields_a_caller_sets(tiny):
+    cfg = tiny.config
+    q = M.method_config("quest", 1024, cfg)
+    assert (q.refine_pages, q.score_subpages, q.subpages, q.candidate_pages) == (0, 1, 1, 0)  # the authors' Quest
+    # --cache-options score_subpages=2 names the run and is recorded: quest must run with it, not with 1.
+    q2 = M.method_config("quest", 1024, cfg, base=FlexiCacheConfig(score_subpages=2))
+    assert (q2.score_subpages, q2.refine_pages, q2.offload) == (2, 0, False)
+    q3 = M.method_config("quest", 1024, cfg, base=FlexiCacheConfig(refine_pages=96, score_subpages=1))
+    assert (q3.refine_pages, q3.score_subpages) == (96, 1)
+    assert M.make_cache("quest", tiny, 64, base=FlexiCacheConfig(score_subpages=2)).cache_config.subpages == 2
+
+
+def test_resolved_config_compares_behaviour():
+    default = FlexiCacheConfig()
+    assert FlexiCacheConfig(score_subpages=2) != default  # as dataclasses
+    assert M.resolved_config(FlexiCacheConfig(score_subpages=2, refine_pages=128)) == M.resolved_config(default)
+    assert M.resolved_config(FlexiCacheConfig(score_subpages=1)) != M.resolved_config(default)
+    assert M.resolved_config(FlexiCacheConfig(refine_pages=0)) != M.resolved_config(default)
+    assert M.resolved_config(M.method_config("quest", 1024, base=FlexiCacheConfig(refine_pages=0, score_subpages=1))) == \
+        M.resolved_config(M.method_config("quest", 1024))
+    assert M.resolved_config(None) is None
+
+
 def test_streaming_half_is_half_of_all_heads():
     cfg = LlamaConfig(num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, hidden_size=576)
     pairs = M.streaming_half(cfg)

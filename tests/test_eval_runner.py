@@ -48,6 +48,39 @@ def test_rundir_resume_and_mismatch(tmp_path):
         results.RunDir(tmp_path / "r", {"bench": "x", "budget": 2048})
 
 
+def test_config_diff_counts_a_key_on_one_side_only_and_names_dict_entries():
+    assert results.config_diff({"a": 1}, {"a": 1}) == []
+    assert results.config_diff({"a": 1}, {"a": 1, "b": None}) == ["b"]  # missing vs None is a difference
+    assert results.config_diff({"a": 1, "b": None}, {"a": 1}) == ["b"]
+    assert results.config_diff({"a": 1, "started": "x"}, {"a": 1}) == []  # extensible keys never count
+    old, new = {"d": {"x": 1, "y": 2}}, {"d": {"x": 1, "y": 3, "z": None}}
+    assert results.config_diff(old, new) == ["d.y", "d.z"]
+
+
+def test_rundir_refuses_a_folder_made_before_the_selection_defaults_were_recorded(tmp_path, monkeypatch):
+    from dataclasses import fields
+
+    from fc_hf.config import FlexiCacheConfig
+
+    defaults = methods.cache_defaults()
+    json.dumps(defaults)  # JSON-safe
+    assert {k: defaults[k] for k in ("score_subpages", "refine_pages", "subpages", "candidate_pages")} == {
+        "score_subpages": None, "refine_pages": None, "subpages": 2, "candidate_pages": 128}
+    assert set(defaults) >= {f.name for f in fields(FlexiCacheConfig)}
+    cfg = {"bench": "x", "budget": 1024, "cache_defaults": defaults}
+    results.RunDir(tmp_path / "now", cfg)
+    results.RunDir(tmp_path / "now", cfg)  # same settings: resumes
+    # A folder from before: only five fields recorded, so a change of score_subpages / refine_pages went unseen.
+    old = {k: defaults[k] for k in ("page_size", "rerank_interval", "sink_pages", "promotion", "dense_layers")}
+    results.RunDir(tmp_path / "before", {**cfg, "cache_defaults": old})
+    with pytest.raises(ValueError, match=r"cache_defaults\.candidate_pages.*cache_defaults\.score_subpages.*another --out"):
+        results.RunDir(tmp_path / "before", cfg)
+    # The same fields resolving otherwise (a changed default) is refused too.
+    monkeypatch.setattr(FlexiCacheConfig, "subpages", property(lambda self: 1))
+    with pytest.raises(ValueError, match=r"\(cache_defaults\.subpages\)"):
+        results.RunDir(tmp_path / "now", {**cfg, "cache_defaults": methods.cache_defaults()})
+
+
 def test_resolve_profile_revotes_without_the_evaluated_task(tiny, tmp_path):
     per_task = {"ruler_vt": [[0, 0], [1, 1]], "fidelity": [[0, 1]], "gov_report": [[0, 1], [1, 0]]}
     prof = HeadProfile.from_unstable(tiny.config, [(0, 0), (1, 1)], extra={"per_task_unstable": per_task, "tasks": list(per_task)})
