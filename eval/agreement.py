@@ -10,7 +10,8 @@ Per task, and pooled over tasks, for each run:
 - `n`: questions compared;
 - `method_score`, `dense_score`: mean per-question benchmark score (as stored in the predictions, 0-1);
 - `retention` = mean(method score) / mean(dense score) on those questions (None when dense scores 0 on
-  all of them), with a paired bootstrap 95% interval;
+  all of them), with a paired bootstrap 95% interval; the resamples in which dense's mean is 0 have no
+  ratio and are left out of that interval, and `retention_dropped` says how many (the table marks them);
 - `agreement`: mean token F1 between the run's answer and dense's answer to the same question, after
   `metrics.normalize_answer` (the normalisation of `metrics.qa_f1`; two answers that normalise to nothing
   agree fully, F1 = 1), with a bootstrap 95% interval. With small models the task score is noisy and low,
@@ -27,8 +28,8 @@ does not depend on which other tasks or runs are in the table.
 
 Pooled rows: "all" (when there are at least two tasks) and, for L-Eval, "open-ended" and "exam"
 separately when both kinds are present (exam tasks score exact match, open-ended ones F1 / ROUGE).
-A run whose config differs from dense's on the prompt (`max_prompt_tokens`, `seq_length`, `dtype`) is
-left out with a warning: its answers are to other prompts.
+A run whose config differs from dense's on the prompt or the answer length (`max_prompt_tokens`, `seq_length`,
+`dtype`, `max_new_tokens`) is left out with a warning: its answers are to other prompts, or cut elsewhere.
 """
 
 from __future__ import annotations
@@ -47,8 +48,8 @@ from .results import read_predictions
 __all__ = ["answer_f1", "pair_rows", "task_runs", "agreement_stats", "agreement_table", "agreement_markdown",
            "write_agreement", "bootstrap_indices", "percentile_interval", "with_interval"]
 
-# Settings that must match dense's for the answers to be to the same prompts.
-SAME_PROMPT_KEYS = ("max_prompt_tokens", "seq_length", "dtype")
+# Settings that must match dense's for the answers to be comparable: the same prompts, answers of the same length.
+SAME_PROMPT_KEYS = ("max_prompt_tokens", "seq_length", "dtype", "max_new_tokens")
 
 
 def answer_f1(a: str, b: str) -> float:
@@ -137,7 +138,8 @@ def agreement_stats(pairs_by_task: dict[str, Sequence[tuple[dict, dict]]], resam
     """The numbers of one row: the pairs of one task, or of several (pooled, bootstrap stratified by task).
 
     Returns None when there are no pairs. Keys: n, tasks, method_score, dense_score, retention (+ _low,
-    _high), agreement (+ _low, _high), identical (see the module docstring).
+    _high), retention_dropped (resamples left out of retention's interval: dense's mean 0 in them; None
+    with retention), agreement (+ _low, _high), identical (see the module docstring).
     """
     strata = [list(p) for p in pairs_by_task.values() if p]
     if not strata:
@@ -152,6 +154,7 @@ def agreement_stats(pairs_by_task: dict[str, Sequence[tuple[dict, dict]]], resam
     boot_dense = dense[idx].mean(axis=1)
     with np.errstate(divide="ignore", invalid="ignore"):
         boot_ret = np.where(boot_dense > 0, method[idx].mean(axis=1) / boot_dense, np.nan)
+    dropped = int(np.count_nonzero(~(boot_dense > 0)))  # no ratio in these resamples
     ret_lo, ret_hi = percentile_interval(boot_ret)
     agr_lo, agr_hi = percentile_interval(f1[idx].mean(axis=1))
     d_mean, m_mean = float(dense.mean()), float(method.mean())
@@ -159,6 +162,7 @@ def agreement_stats(pairs_by_task: dict[str, Sequence[tuple[dict, dict]]], resam
         "n": len(pairs), "tasks": len(strata), "method_score": m_mean, "dense_score": d_mean,
         "retention": m_mean / d_mean if d_mean > 0 else None,
         "retention_low": ret_lo if d_mean > 0 else None, "retention_high": ret_hi if d_mean > 0 else None,
+        "retention_dropped": dropped if d_mean > 0 else None,
         "agreement": float(f1.mean()), "agreement_low": agr_lo, "agreement_high": agr_hi,
         "identical": float(identical.mean()),
     }
@@ -238,6 +242,12 @@ def with_interval(row: dict[str, Any], key: str) -> str:
     return f"{row[key]:.3f} [{_fmt(row[key + '_low'])}, {_fmt(row[key + '_high'])}]"
 
 
+def _retention_cell(row: dict[str, Any]) -> str:
+    """Retention with its interval, and "†N" when N resamples were left out of it (dense's mean 0 in them)."""
+    dropped = row.get("retention_dropped")
+    return with_interval(row, "retention") + (f" †{dropped}" if dropped else "")
+
+
 def agreement_markdown(rows: Sequence[dict[str, Any]], bench: str = "leval", resamples: int = 2000,
                        seed: int = 0) -> str:
     """Markdown: one table per model, task rows then pooled rows (in bold)."""
@@ -249,6 +259,9 @@ def agreement_markdown(rows: Sequence[dict[str, Any]], bench: str = "leval", res
              "between the two answers (normalised as qa_f1). Identical: share of answers equal to dense's. "
              f"[95% paired bootstrap interval, {resamples} resamples of the questions, seed {seed}; pooled rows are "
              "question-weighted, resampled within each task.]\n"]
+    if any(r.get("retention_dropped") for r in rows):
+        parts.append(f"†N after a retention interval: in N of the {resamples} resamples dense's mean score was 0, so "
+                     "they have no retention and the interval is over the others.\n")
     for model in dict.fromkeys(r["model"] for r in rows):
         sel = [r for r in rows if r["model"] == model]
         lengths = {r["max_prompt_tokens"] for r in sel if not r["pooled"]}
@@ -259,7 +272,7 @@ def agreement_markdown(rows: Sequence[dict[str, Any]], bench: str = "leval", res
         for r in [r for r in sel if not r["pooled"]] + [r for r in sel if r["pooled"]]:
             task = f"**{r['task']}** ({r['tasks']} tasks)" if r["pooled"] else r["task"]
             lines.append(f"| {task} | {r['run']} | {r['n']} | {r['method_score']:.3f} / {r['dense_score']:.3f} | "
-                         f"{with_interval(r, 'retention')} | {with_interval(r, 'agreement')} | {r['identical']:.3f} |")
+                         f"{_retention_cell(r)} | {with_interval(r, 'agreement')} | {r['identical']:.3f} |")
         parts.append("\n".join(lines) + "\n")
     return "\n".join(parts)
 

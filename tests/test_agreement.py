@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from fc_hf.eval import cli, generation
-from fc_hf.eval.agreement import agreement_stats, agreement_table, answer_f1, pair_rows
+from fc_hf.eval.agreement import (agreement_markdown, agreement_stats, agreement_table, answer_f1, bootstrap_indices,
+                                  pair_rows)
 
 FIXTURES = Path(__file__).parent / "fixtures"
 
@@ -135,6 +136,29 @@ def test_runs_on_other_prompts_or_without_dense_are_left_out(tmp_path):
         assert agreement_table(tmp_path, "leval") == []
 
 
+def test_runs_with_another_answer_length_are_left_out(tmp_path):
+    _run(tmp_path, "t", "dense", [("a", "x", 1.0)], max_new_tokens=64)
+    _run(tmp_path, "t", "quest-b64", [("a", "x", 1.0)], max_new_tokens=16)
+    _run(tmp_path, "t", "flexicache-b64", [("a", "x", 1.0)], max_new_tokens=64)
+    with pytest.warns(UserWarning, match="max_new_tokens"):
+        assert [r["run"] for r in agreement_table(tmp_path, "leval")] == ["flexicache-b64"]
+
+
+def test_resamples_without_a_dense_score_are_counted_and_marked(root):
+    rows = agreement_table(root, "leval", resamples=500)
+    q = _row(rows, "quality", "quest-b64")  # dense scores x: 1, y: 0; a resample of y twice has no ratio
+    idx = bootstrap_indices([2], 500, 0)
+    assert q["retention_dropped"] == int((idx == 1).all(axis=1).sum()) > 0
+    assert _row(rows, "financial_qa", "quest-b64")["retention_dropped"] >= 0
+    text = agreement_markdown(rows, resamples=500)
+    assert f"| quality | quest-b64 | 2 | 1.000 / 0.500 | 2.000 [" in text
+    assert next(line for line in text.splitlines() if line.startswith("| quality | quest-b64")).count(
+        f"†{q['retention_dropped']} |") == 1
+    assert "in N of the 500 resamples dense's mean score was 0" in text
+    none = [dict(r, retention_dropped=0) for r in rows]
+    assert "†" not in agreement_markdown(none, resamples=500)
+
+
 def test_filters_by_model_and_task(root):
     _run(root, "financial_qa", "dense", [("a", "x", 1.0)], model="other")
     _run(root, "financial_qa", "quest-b64", [("a", "y", 0.0)], model="other")
@@ -178,6 +202,7 @@ def test_leval_and_longbench_cli_pass_cache_options_to_every_non_dense_cache(mod
     quest = runs["quest-b64-page_size=8-rerank_interval=4"]
     assert quest["cache_options"] == {"page_size": 8, "rerank_interval": 4} and quest["cache_defaults"]["page_size"] == 8
     assert "cache_options" not in runs["dense"] and runs["dense"]["cache_defaults"]["page_size"] == 16
+    assert runs["dense"]["max_new_tokens"] == quest["max_new_tokens"] == 2  # agreement compares it (SAME_PROMPT_KEYS)
 
     # without options: a folder of its own for quest, the same dense folder (its answer is not redone)
     made.clear()
