@@ -28,13 +28,16 @@ with at least `length` tokens (its longest when none is). No chat template: the 
 
 Results: one JSON file (`config`, per-prompt `rows` holding every method's tokens, text and numbers,
 and the `summary`), rewritten after every prompt; a rerun skips (prompt, method) pairs already in it,
-and refuses a file made with other settings. The Markdown table is printed and written beside it (.md).
+and refuses a file made with other settings, the profile's unstable set included (`profile_unstable`, a hash:
+the same --profile name may resolve to another set once the bundled profile is remade). The Markdown table is
+printed and written beside it (.md).
 
     flexicache eval freerun --model smollm2-135m-instruct --methods dense,quest,flexicache --budgets 1024
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import statistics
 import time
@@ -56,7 +59,7 @@ from .sources import local_file, read_jsonl
 
 __all__ = [
     "KJV_OFFSETS", "DEFAULT_LEVAL_ROOT", "FreerunPrompt", "repeated_ngram_rate", "default_specs", "make_prompt",
-    "summarize", "freerun_markdown", "run_freerun",
+    "summarize", "freerun_markdown", "run_freerun", "profile_identity",
 ]
 
 # 10 passages spread over the text (about 4.2 million characters).
@@ -215,9 +218,15 @@ def freerun_markdown(summary: Sequence[dict[str, Any]], config: dict[str, Any]) 
                  "|---|---|---|---|---|---|---|"]
         for r in rows:
             lines.append(f"| {r['run']} | {r['n']} | {r['rep4']:.3f} | {r['dense_rep4']:.3f} | {with_interval(r, 'diff')} | "
-                         f"{r['first_divergence_mean']:.1f} / {r['first_divergence_median']:.0f} | {r['identical']:.2f} |")
+                         f"{r['first_divergence_mean']:.1f} / {r['first_divergence_median']:.1f} | {r['identical']:.2f} |")
         parts.append("\n".join(lines) + "\n")
     return "\n".join(parts)
+
+
+def profile_identity(profile) -> str:
+    """A short hash of a profile's unstable (layer, KV head) set: what the run's `flexicache` actually used."""
+    pairs = sorted([int(l), int(h)] for l, h in profile.unstable)
+    return hashlib.sha256(json.dumps(pairs).encode()).hexdigest()[:16]
 
 
 def _compare_with_dense(row: dict[str, Any]) -> None:
@@ -260,7 +269,8 @@ def run_freerun(
     config = {
         "bench": "freerun", "model": Path(model_name).name, "dtype": dtype, "length": length, "new_tokens": new_tokens,
         "cache_options": cache_options or None, "cache_defaults": cache_defaults(base),
-        "profile": profile_arg or "bundled-or-fallback", "profile_note": note, "resamples": resamples, "seed": seed,
+        "profile": profile_arg or "bundled-or-fallback", "profile_unstable": profile_identity(profile),
+        "profile_note": note, "resamples": resamples, "seed": seed,
     }
     config = json.loads(json.dumps(config))  # as it will be stored (tuples become lists)
     out = Path(out or Path("results") / "freerun" / f"{config['model']}-p{length}-n{new_tokens}.json")

@@ -66,6 +66,7 @@ def test_summary_of_hand_made_rows():
     assert FR.summarize(rows, resamples=500, seed=3) == summary  # seeded
     text = FR.freerun_markdown(summary, {"model": "m", "length": 16, "new_tokens": 8, "resamples": 500, "seed": 3})
     assert "## all (4 prompts)" in text and "| quest-b64 | 4 | 0.300 | 0.175 | 0.125 [" in text
+    assert "| 3.8 / 3.5 | 0.25 |" in text  # the median of an even count keeps its .5
 
 
 def test_equal_differences_give_a_zero_width_interval_and_rows_without_dense_are_left_out():
@@ -175,3 +176,24 @@ def test_command_end_to_end_resumes_and_full_budget_equals_dense(model_folder, t
     # other settings are refused instead of mixed into the file
     with pytest.raises(ValueError, match="new_tokens"):
         cli.main([*args, "--new-tokens", "8"])
+
+
+def test_a_resumed_file_refuses_another_unstable_set_under_the_same_profile_name(model_folder, tmp_path):
+    from transformers import AutoConfig
+
+    from fc_hf.profile import HeadProfile
+
+    cfg = AutoConfig.from_pretrained(model_folder)
+    prof = tmp_path / "profile.json"
+    HeadProfile.from_unstable(cfg, [(0, 1)]).save(prof)
+    out = tmp_path / "freerun.json"
+    args = ["freerun", "--model", str(model_folder), "--methods", "dense,flexicache@32", "--length", "40",
+            "--new-tokens", "2", "--leval-data", str(FIXTURES / "leval"), "--prompts", "leval:financial_qa:0",
+            "--profile", str(prof), "--out", str(out), "--threads", "1", "--resamples", "10"]
+    assert cli.main(args) == 0
+    first = json.loads(out.read_text())["config"]["profile_unstable"]
+    assert cli.main(args) == 0  # same profile: resumes
+    HeadProfile.from_unstable(cfg, [(1, 0)]).save(prof)  # the same --profile, another unstable set
+    with pytest.raises(ValueError, match=r"\(profile_unstable\); use another --out"):
+        cli.main(args)
+    assert first == FR.profile_identity(HeadProfile.from_unstable(cfg, [(0, 1)]))
