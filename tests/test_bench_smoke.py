@@ -50,6 +50,10 @@ def test_memory_case_is_close_to_the_analytic_limit():
     assert r["host_kv_bytes"] > 0 and r["metadata_bytes"] > 0
     # MinMax: 2 vectors per sub-page against 2 * 16 per page of K and V
     assert r["metadata_fraction"] == pytest.approx(FlexiCacheConfig().subpages / 16, abs=0.02)
+    # the analytic share counts every sub-page's entry, S / P (not one entry per page)
+    assert r["subpages"] == FlexiCacheConfig().subpages and r["page_size"] == 16
+    assert r["analytic_metadata_fraction"] == FlexiCacheConfig().subpages / 16
+    assert r["analytic_metadata_fraction"] <= r["metadata_fraction"] < r["analytic_metadata_fraction"] + 0.02  # + tables, capacity
     assert r["saving"] == pytest.approx(1 - r["device_fraction"] - r["metadata_fraction"])
 
 
@@ -135,6 +139,8 @@ def test_floor_and_cache_variants_side_by_side(tmp_path, monkeypatch):
         assert "breakdown_ms" not in floor
         old = by[("flexicache", "old")]
         assert old["options"] == {"refine_pages": 0} and "options" not in by[("flexicache", None)]
+        assert (old["cache_config"]["refine_pages"], old["cache_config"]["candidate_pages"]) == (0, 0)
+        assert by[("flexicache", None)]["cache_config"]["candidate_pages"] == 2 * budget // 16
         assert old["stats"]["reranks_unstable"] > 0
     md = (docs / "benchmarks.md").read_text()
     assert md.count("### Side by side: the floor and configuration variants") == 2  # decode and batch
@@ -148,8 +154,8 @@ def test_floor_and_cache_variants_side_by_side(tmp_path, monkeypatch):
 def test_cache_variants_parsing_and_case_keys():
     from fc_hf.eval.bench import decode as bench_decode
 
-    assert bench_decode.parse_cache_variants("old=refine_pages=0; sub2=score_subpages=2,refine_pages=0") == [
-        ("old", {"refine_pages": 0}), ("sub2", {"score_subpages": 2, "refine_pages": 0})]
+    assert bench_decode.parse_cache_variants("old=refine_pages=0,score_subpages=1; refine=score_subpages=1") == [
+        ("old", {"refine_pages": 0, "score_subpages": 1}), ("refine", {"score_subpages": 1})]
     assert bench_decode.parse_cache_variants("") == []
     for bad in ("old", "old=", "a b=refine_pages=0", "x=rerank_interval=8;x=rerank_interval=4"):
         with pytest.raises(ValueError):
@@ -159,17 +165,49 @@ def test_cache_variants_parsing_and_case_keys():
     keys = [bench_decode._case_key("tiny", c) for c in cases]
     assert len(set(keys)) == len(keys) == 1 + 2 * 4  # dense; per budget floor, quest, flexicache, flexicache[old]
     assert all(c.get("options", {}).get("rerank_interval") == 8 for c in cases if c["method"] in ("quest", "flexicache"))
+    # Variants are compared by behaviour, not as dataclasses: score_subpages=2 is the default at pages of 16, and
+    # refine_pages=0,score_subpages=1 is Quest's own selection; refine_pages=128 is 2K at budget 1024 only.
+    variants = [(None, {}), ("sub2", {"score_subpages": 2}), ("old", {"refine_pages": 0, "score_subpages": 1}),
+                ("c128", {"refine_pages": 128})]
+    cases = bench_decode._method_cases(["quest", "flexicache"], [1024, 2048], 4096, 1, variants)
+    assert [(c["budget"], c["method"], c.get("variant")) for c in cases] == [
+        (1024, "quest", None), (1024, "flexicache", None), (1024, "quest", "sub2"), (1024, "flexicache", "old"),
+        (1024, "quest", "c128"),
+        (2048, "quest", None), (2048, "flexicache", None), (2048, "quest", "sub2"), (2048, "flexicache", "old"),
+        (2048, "quest", "c128"), (2048, "flexicache", "c128")]
     # A bad field or a bad method fails before any worker starts.
     assert bench.main(["decode", "--smoke", "--cache-variants", "x=no_such_field=1", "--out", "unused"]) == 2
     assert bench.main(["decode", "--smoke", "--methods", "dense,flor", "--out", "unused"]) == 2
 
 
 def test_bytes_per_step_estimates():
+    from fc_hf.eval.methods import cache_defaults
+
     dense = {"model": "smollm2", "method": "dense", "length": 16384, "batch": 1}
     sparse = dict(dense, method="flexicache", budget=1024, unstable_share=0.25)
     # SmolLM2 fp32: 46 KB of K+V per token (SPEC §4).
     assert bench_report.kv_bytes_read(dense) == 30 * 3 * 2 * 64 * 4 * 16384
     assert bench_report.kv_bytes_read(sparse) < bench_report.kv_bytes_read(dense) / 6
+    # Per row (30 layers x 3 KV heads, fp32), in values: attention over 1024 + 16 tokens of K and V; rankings per
+    # step 0.25 (unstable, every step) + 0.75 / 16 (stable); a ranking reads 1024 pages x S MinMax entries of 2 x 64
+    # and, refining, the keys of C candidate pages of 16 x 64.
+    attend, rankings = 1040 * 2 * 64, 0.25 + 0.75 / 16
+    minmax, candidates = 1024 * 2 * 64, 16 * 64
+    per_step = lambda per_row: int(30 * 3 * per_row * 4)  # noqa: E731
+    assert bench_report.kv_bytes_read(sparse) == per_step(attend + rankings * (2 * minmax + 128 * candidates))
+    old = dict(sparse, options={"refine_pages": 0, "score_subpages": 1})  # the bound over one entry per page
+    assert bench_report.kv_bytes_read(old) == per_step(attend + rankings * minmax)
+    assert bench_report.kv_bytes_read(old) == 30 * 3 * (1040 + 1024 * rankings) * 2 * 64 * 4  # the former estimate
+    quest = dict(dense, method="quest", budget=1024)  # every head every step, its own selection
+    assert bench_report.kv_bytes_read(quest) == per_step(attend + minmax)
+    assert bench_report.kv_bytes_read(dict(quest, options={"score_subpages": 2})) == per_step(attend + 2 * minmax)
+    # A row's recorded cache_config wins over today's defaults.
+    recorded = dict(sparse, cache_config=cache_defaults(FlexiCacheConfig(refine_pages=0, score_subpages=1)))
+    assert bench_report.kv_bytes_read(recorded) == bench_report.kv_bytes_read(old)
+    # dense_layers read every token, as dense does
+    two_dense = dict(sparse, options={"dense_layers": [0, 1]})
+    assert bench_report.kv_bytes_read(two_dense) == int(
+        3 * (2 * 16384 * 2 * 64 + 28 * (attend + rankings * (2 * minmax + 128 * candidates))) * 4)
     assert 500e6 < bench_report.weight_bytes("smollm2") < 560e6  # ~135M parameters in fp32
 
 

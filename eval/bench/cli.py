@@ -11,7 +11,7 @@ Suites (run any subset; `all` runs every one):
   `FlexiCache.enable_timing()`), peak RSS, and the bytes per tier from `memory_report()`.
   The prefill is replaced by writing random K/V into the cache layer by layer (exactly the calls a
   prefill makes), so 32k-token contexts cost seconds; its time is reported as `ingest_s`.
-  `--cache-variants "old=refine_pages=0;sub2=score_subpages=2"` adds, per label, Quest and FlexiCache
+  `--cache-variants "old=refine_pages=0,score_subpages=1"` adds, per label, Quest and FlexiCache
   cases with those `FlexiCacheConfig` fields (on top of `--cache-options`), timed in the same run beside
   the unlabelled ones (the batch suite too).
 - `prefill`: a real prefill (the model over random tokens) with each cache, batch 1.
@@ -34,7 +34,7 @@ from one run on a quiet machine: the JSON records the load average at the start 
     flexicache bench decode --smoke --out /tmp/b          # seconds, for testing the suite
     flexicache bench ops --out results/bench              # decode-step op counts (issue 17)
     flexicache bench decode report --models smollm2 --lengths 16k --batches 1 --budgets 1024 \
-        --cache-variants "old=refine_pages=0;sub2=score_subpages=2"   # configurations side by side
+        --cache-variants "old=refine_pages=0,score_subpages=1;refine=score_subpages=1"   # configurations side by side
 """
 
 from __future__ import annotations
@@ -81,8 +81,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--cache-variants", default="",
                    help='decode/batch suites: extra quest/flexicache configurations timed beside the default, '
                         '"LABEL=FIELD=VALUE[,FIELD=VALUE...];LABEL2=...", e.g. '
-                        '"old=refine_pages=0;sub2=score_subpages=2"; each label adds a quest and a flexicache '
-                        'case (those in --methods; one identical to the default is not run twice) with those '
+                        '"old=refine_pages=0,score_subpages=1;refine=score_subpages=1"; each label adds a quest '
+                        'and a flexicache case (those in --methods; one that behaves as the default is not run '
+                        'twice) with those '
                         'fields on top of --cache-options, reported as its own row')
     p.add_argument("--steps", type=int, default=16, help="timed decode steps per case (a multiple of the re-rank interval)")
     p.add_argument("--llama-layers", type=int, default=2, help="decoder layers of the Llama-8B-shaped model")

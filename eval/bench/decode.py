@@ -11,10 +11,11 @@ Besides dense, Quest and FlexiCache the decode and batch suites know two more ki
 - `floor`: dense attention (`DynamicCache` + sdpa, the `dense` case) over a cache of `budget` tokens instead
   of `length`: what a step costs when attention reads only as many tokens as FlexiCache attends, with no
   scoring, selection or paging. FlexiCache's tok/s over the floor's is how close it comes to that bound.
-- configuration variants (`--cache-variants "old=refine_pages=0;sub2=score_subpages=2"`): each label adds a
-  Quest and a FlexiCache case (those in `--methods`) built with those `FlexiCacheConfig` fields on top of
-  `--cache-options` (parsed by `methods.parse_cache_options`, as `--ops-cache-options` is). Rows carry
-  `variant` (the label; absent for the unlabelled default) and `options` (the fields set).
+- configuration variants (`--cache-variants "old=refine_pages=0,score_subpages=1;refine=score_subpages=1"`):
+  each label adds a Quest and a FlexiCache case (those in `--methods`) built with those `FlexiCacheConfig` fields
+  on top of `--cache-options` (parsed by `methods.parse_cache_options`, as `--ops-cache-options` is). Rows carry
+  `variant` (the label; absent for the unlabelled default) and `options` (the fields set). Quest and FlexiCache
+  rows also carry `cache_config`: the whole `FlexiCacheConfig` the case ran with (`methods.cache_defaults`).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import torch
 
 from fc_hf.compat import cache_kwarg
 
-from ..methods import make_cache, method_config, parse_cache_options, prepare_model
+from ..methods import cache_defaults, make_cache, method_config, parse_cache_options, prepare_model, resolved_config
 from .common import (PeakRSS, bench_profile, build_model, decode_step, environment, ingest_random_kv, log,
                      model_config, now, parse_sizes, release_memory, unstable_share, write_json)
 
@@ -79,6 +80,7 @@ def decode_case(model, config, method, budget, length, batch, steps, profile, de
         ingest_random_kv(cache, config, batch, context, dtype=dtype, device=device)
         result["ingest_s"] = now(device) - t0
         if flexi:
+            result["cache_config"] = cache_defaults(cache.cache_config)
             cache.enable_timing()
         token = torch.randint(1, config.vocab_size, (batch, 1), generator=torch.Generator().manual_seed(0)).to(device)
         t0 = now(device)
@@ -200,7 +202,7 @@ def _run_group(spec: dict, timeout: int) -> list[dict]:
 
 # -- suites ---------------------------------------------------------------------------------------
 def parse_cache_variants(text: str | None) -> list[tuple[str, dict]]:
-    """"old=refine_pages=0;sub2=score_subpages=2,refine_pages=0" -> [("old", {...}), ("sub2", {...})].
+    """"old=refine_pages=0,score_subpages=1;refine=score_subpages=1" -> [("old", {...}), ("refine", {...})].
 
     Variants are separated by ";", each `LABEL=FIELD=VALUE[,FIELD=VALUE...]`; the fields are parsed by
     `methods.parse_cache_options` (so a value list such as `dense_layers=0:1` works as it does there)."""
@@ -238,10 +240,20 @@ def _case_options(args) -> tuple[dict, list[tuple[str | None, dict]]]:
     return common, variants
 
 
+def _same_case(method: str, budget: int, opts: dict, default_opts: dict) -> bool:
+    """Whether `method` with `opts` behaves as with `default_opts` (configs compared resolved: `methods.resolved_config`)."""
+    def resolved(o):
+        return resolved_config(method_config(method, budget, base=_base_config(o)))
+
+    return resolved(opts) == resolved(default_opts)
+
+
 def _method_cases(methods, budgets, length, batch, variants=((None, {}),)):
     """The cases of one (length, batch): dense; then per budget the floor, Quest and FlexiCache with the
-    unlabelled options, then each labelled variant. A variant whose config equals the unlabelled one for that
-    method (e.g. refine_pages=0 for Quest, which never refines) is the same case twice and is left out."""
+    unlabelled options, then each labelled variant. A variant that behaves as the unlabelled one for that method
+    (e.g. refine_pages=0,score_subpages=1 for Quest, its own selection; score_subpages=2 for FlexiCache at an even
+    page size) is the same case twice and is left out: configs are compared resolved (`methods.resolved_config`),
+    not as dataclasses, where score_subpages=2 and the default None differ."""
     cases = []
     if "dense" in methods:
         cases.append({"method": "dense", "budget": None, "length": length, "batch": batch})
@@ -253,8 +265,7 @@ def _method_cases(methods, budgets, length, batch, variants=((None, {}),)):
             for m in FLEXI_METHODS:
                 if m not in methods:
                     continue
-                if label is not None and (method_config(m, budget, base=_base_config(opts))
-                                          == method_config(m, budget, base=_base_config(default_opts))):
+                if label is not None and _same_case(m, budget, opts, default_opts):
                     log(f"bench: {m}[{label}] is {m} itself at B={budget} ({opts}); not run twice")
                     continue
                 case = {"method": m, "budget": budget, "length": length, "batch": batch}

@@ -7,8 +7,9 @@ cache of `L` tokens its device KV is therefore at most
 
     u + (1 - u) * (B + n * P) / L        (B = token budget, P = page size, n = ceil(R / P) + 1 new pages)
 
-plus the MinMax metadata, `2 * D` values per page against `2 * P * D` for its K and V, i.e. `1 / P`
-of dense. `memory_report()` counts the bytes actually allocated (pool capacity included), and this
+plus the MinMax metadata, `2 * S * D` values per page (kmax and kmin of each of its `S =
+FlexiCacheConfig.subpages` sub-pages) against `2 * P * D` for its K and V, i.e. `S / P` of dense.
+`memory_report()` counts the bytes actually allocated (pool capacity included), and this
 suite prints both side by side.
 """
 
@@ -63,11 +64,12 @@ def memory_case(config, profile, budget: int, length: int, batch: int = 1, page_
     dense = rep["dense_kv_bytes"]
     u = unstable_share(profile, config)
     analytic = analytic_device_fraction(u, budget, length + rerank + 1, page_size, rerank)
-    meta_analytic = 1.0 / page_size
+    meta_analytic = cache.cache_config.subpages / page_size  # S MinMax entries (2D values each) per page
     device_frac = rep["device_kv_bytes"] / dense
     meta_frac = rep["metadata_bytes"] / dense
     result = {
-        "length": length, "budget": budget, "batch": batch, "unstable_share": u,
+        "length": length, "budget": budget, "batch": batch, "unstable_share": u, "page_size": page_size,
+        "rerank_interval": rerank, "subpages": cache.cache_config.subpages,
         "dense_kv_bytes": dense, "device_kv_bytes": rep["device_kv_bytes"], "host_kv_bytes": rep["host_kv_bytes"],
         "metadata_bytes": rep["metadata_bytes"], "device_kv_bytes_after_prefill": after_prefill["device_kv_bytes"],
         "device_fraction": device_frac, "analytic_device_fraction": analytic,

@@ -49,22 +49,70 @@ def weight_bytes(model: str, layers: int | None = None, itemsize: int = 4) -> in
     return ((layers or s["num_hidden_layers"]) * per_layer + s["vocab_size"] * h) * itemsize
 
 
+def row_cache_config(r: dict):
+    """The `FlexiCacheConfig` a Quest / FlexiCache row ran with: its recorded `cache_config` (decode rows record it),
+    else the one today's `methods.method_config` builds from the row's method, budget and `options`."""
+    from dataclasses import fields
+
+    from fc_hf.config import FlexiCacheConfig
+
+    from ..methods import method_config
+
+    recorded = r.get("cache_config")
+    if recorded:
+        names = {f.name for f in fields(FlexiCacheConfig)}
+        return FlexiCacheConfig(**{k: v for k, v in recorded.items() if k in names})
+    return method_config(r["method"], r["budget"], base=FlexiCacheConfig(**(r.get("options") or {})))
+
+
 def kv_bytes_read(r: dict, itemsize: int = 4) -> int:
-    """KV (and MinMax metadata) bytes one decode step reads for result `r`."""
+    """KV, MinMax metadata and refinement bytes one decode step reads for result `r` (from the shapes).
+
+    A row is one (sequence, KV head) of one layer: `batch * kv_heads` rows per layer; D = head_dim, L = `length`,
+    every count times `itemsize` bytes (the metadata has the KV dtype).
+
+    - dense: every layer reads L tokens of K and V, `2D` values each.
+    - floor: the same over the `cache_tokens` it held.
+    - quest / flexicache, with the row's config (`row_cache_config`): P = page_size, K = budget / P, Np = ceil(L / P),
+      S = `subpages`, C = `candidate_pages`, R = `rerank_interval`, Ru = `unstable_rerank_interval`; layers in
+      `dense_layers` read as dense. Per row of the other layers and step:
+      - attention: min(L, budget + P) tokens, `2D` each (the selection plus the tokens appended since it);
+      - rankings: `u / Ru + (1 - u) / R` per step, u = the row's share of unstable heads (`unstable_share`; 1 for
+        Quest: no profile, every head re-ranked every step);
+      - one ranking scored by the bound (`page_score` "quest" / "group_mean"; stable heads: `stable_page_score` if
+        set) reads the MinMax metadata, kmax and kmin of every sub-page: `Np * S * 2D`; then, when refinement is on
+        (C > 0) and there are more than K pages, the keys of the min(C, Np) candidate pages: `min(C, Np) * P * D`.
+        A ranking with the "exact" score reads every key, `Np * P * D`, and does not refine;
+      - with `tail_estimate`: the mean key and value of every full page, `(Np - 1) * 2D`, every step.
+    """
     s = SHAPES[r["model"]]
     layers = r.get("layers") or s["num_hidden_layers"]
-    rows = r["batch"] * layers * s["num_key_value_heads"]
-    per_token = 2 * s["head_dim"] * itemsize
+    d = s["head_dim"]
+    rows = r["batch"] * s["num_key_value_heads"]  # per layer
+    per_token = 2 * d * itemsize  # K and V
     length = r["length"]
     if r["method"] == "dense":
-        return rows * length * per_token
+        return rows * layers * length * per_token
     if r["method"] == "floor":  # dense over the cache's `budget` tokens
-        return rows * r.get("cache_tokens", min(length, r["budget"])) * per_token
-    pages = math.ceil(length / 16)
-    u = 1.0 if r["method"] == "quest" else r.get("unstable_share", 1.0)  # Quest scores every head every step
-    attended = min(length, r["budget"] + 16)
-    meta = rows * pages * per_token * (u + (1 - u) / 16)  # unstable rows score every step, stable every 16
-    return int(rows * attended * per_token + meta)
+        return rows * layers * r.get("cache_tokens", min(length, r["budget"])) * per_token
+    cfg = row_cache_config(r)
+    p, k = cfg.page_size, cfg.pages_per_head
+    pages = math.ceil(length / p)
+    dense_layers = len({l for l in cfg.dense_layers if 0 <= l < layers})
+    sparse_layers = layers - dense_layers
+
+    def ranking(score: str) -> int:  # values read by one ranking of one row
+        if score == "exact":
+            return pages * p * d
+        refine = min(cfg.candidate_pages, pages) * p * d if cfg.candidate_pages and pages > k else 0
+        return pages * cfg.subpages * 2 * d + refine
+
+    u = 1.0 if r["method"] == "quest" else r.get("unstable_share", 1.0)
+    per_row = (min(length, r["budget"] + p) * 2 * d
+               + u / cfg.unstable_rerank_interval * ranking(cfg.page_score)
+               + (1 - u) / cfg.rerank_interval * ranking(cfg.stable_page_score or cfg.page_score)
+               + (max(0, pages - 1) * 2 * d if cfg.tail_estimate else 0))
+    return int(rows * (dense_layers * length * per_token + sparse_layers * per_row * itemsize))
 
 
 def _index(rows):
@@ -474,12 +522,16 @@ def write_report(out: Path, docs: Path) -> Path:
                  f"{100 * r['analytic_saving']:.1f}%", f"{100 * r['saving_kv_only']:.1f}%"]
                 for r in sorted(memory, key=lambda r: (r["budget"], r["length"]))]
         u = memory[0]["unstable_share"]
+        # Rows from before these were recorded: page 16, R = 16, and S from the analytic metadata share (S / P).
+        page, rr = memory[0].get("page_size", 16), memory[0].get("rerank_interval", 16)
+        sub = memory[0].get("subpages", round(memory[0]["analytic_metadata_fraction"] * page))
         md += ["## Device memory against context length (Fig. 9)", "",
-               f"SmolLM2's attention shape (30 layers × 3 KV heads × 64; tiny hidden size), batch 1, fp32, page 16, "
-               f"R = 16, {memory[0].get('profile')} (u = {u:.3f}). Measured after 17 decode steps (first ranking and one "
-               "re-rank done) from `memory_report()` (allocated bytes, pool capacity included). Analytic device KV "
-               "= u + (1 − u)·(B + 2·16)/L of dense; metadata analytic = 1/16 of dense (2·D values per page against "
-               "2·16·D of K and V). Saving = 1 − (device KV + metadata)/dense.", "",
+               f"SmolLM2's attention shape (30 layers × 3 KV heads × 64; tiny hidden size), batch 1, fp32, page {page}, "
+               f"R = {rr}, {memory[0].get('profile')} (u = {u:.3f}). Measured after {rr + 1} decode steps (first ranking "
+               "and one re-rank done) from `memory_report()` (allocated bytes, pool capacity included). Analytic device "
+               f"KV = u + (1 − u)·(B + {math.ceil(rr / page) + 1}·{page})/L of dense; metadata analytic = S/P = {sub}/{page} of "
+               f"dense (2·D values per MinMax entry, S = {sub} entries per page, against 2·{page}·D of K and V). Saving = "
+               "1 − (device KV + metadata)/dense.", "",
                _table(["budget", "context", "device KV / dense", "analytic", "|diff| (points)", "metadata / dense",
                        "saving", "analytic saving", "saving, KV only"], rows), ""]
         if "memory_saving.png" in plots:
