@@ -51,7 +51,8 @@ ABLATION = (("no-rerank", 1024), ("uniform", 1024), ("flexicache", 1024), ("flex
 
 NO_RERANK_INTERVAL = 10**9
 LSERVE_RERANK_INTERVAL = 4
-# Quest's selection where the caller leaves `refine_pages` / `score_subpages` unset: no refinement, one MinMax entry per page.
+# Quest's selection where the caller leaves `refine_pages` / `score_subpages` unset: no refinement, one MinMax
+# entry per page.
 QUEST_REFINE_PAGES = 0
 QUEST_SCORE_SUBPAGES = 1
 
