@@ -42,11 +42,18 @@ FLEXI_METHODS = ("quest", "flexicache")  # the cases built from a FlexiCacheConf
 BENCH_METHODS = ("dense", "floor") + FLEXI_METHODS  # what --methods of the decode and batch suites may name
 
 
-def _base_config(options: dict | None):
-    """The `FlexiCacheConfig` `make_cache` starts from (`base`): the defaults with `options` set, as in ops.py."""
+def _base_config(options: dict | None, budget: int | None = None):
+    """The `FlexiCacheConfig` `make_cache` starts from (`base`): the defaults with `options` set, as in ops.py.
+
+    Built at the case's `budget` (unless the options set one), so options checked against the budget (e.g.
+    `refine_pages` >= K) are checked against the budget the case runs at."""
     from fc_hf.config import FlexiCacheConfig
 
-    return FlexiCacheConfig(**options) if options else None
+    if not options:
+        return None
+    if budget is not None and "token_budget" not in options:
+        options = {**options, "token_budget": int(budget)}
+    return FlexiCacheConfig(**options)
 
 
 # -- workers (run in a subprocess) ----------------------------------------------------------------
@@ -74,8 +81,8 @@ def decode_case(model, config, method, budget, length, batch, steps, profile, de
         torch.cuda.reset_peak_memory_stats()
         gpu_start = torch.cuda.memory_allocated()
     with PeakRSS() as rss, torch.no_grad():
-        cache = make_cache(cache_method, config, budget, profile, base=_base_config(options) if flexi else None,
-                           dense_cache=True)
+        base = _base_config(options, budget) if flexi else None
+        cache = make_cache(cache_method, config, budget, profile, base=base, dense_cache=True)
         t0 = now(device)
         ingest_random_kv(cache, config, batch, context, dtype=dtype, device=device)
         result["ingest_s"] = now(device) - t0
@@ -139,8 +146,8 @@ def prefill_case(model, config, method, budget, length, profile, device="cpu", o
     if flexi and options:
         result["options"] = dict(options)
     with PeakRSS() as rss, torch.no_grad():
-        cache = make_cache(method, config, budget, profile, base=_base_config(options) if flexi else None,
-                           dense_cache=True)
+        base = _base_config(options, budget) if flexi else None
+        cache = make_cache(method, config, budget, profile, base=base, dense_cache=True)
         t0 = now(device)
         out = model(input_ids=ids, use_cache=True, logits_to_keep=1, **{kwarg: cache})
         result["prefill_s"] = now(device) - t0
@@ -243,7 +250,7 @@ def _case_options(args) -> tuple[dict, list[tuple[str | None, dict]]]:
 def _same_case(method: str, budget: int, opts: dict, default_opts: dict) -> bool:
     """Whether `method` with `opts` behaves as with `default_opts` (configs compared resolved: `methods.resolved_config`)."""
     def resolved(o):
-        return resolved_config(method_config(method, budget, base=_base_config(o)))
+        return resolved_config(method_config(method, budget, base=_base_config(o, budget)))
 
     return resolved(opts) == resolved(default_opts)
 
