@@ -32,9 +32,16 @@ from .transfer import PageTransfers
 def _grow_dim(t: torch.Tensor, dim: int, new_size: int, fill=0) -> torch.Tensor:
     shape = list(t.shape)
     shape[dim] = new_size
-    out = t.new_full(shape, fill)
+    out = t.new_empty(shape)
     out.narrow(dim, 0, t.shape[dim]).copy_(t)
+    out.narrow(dim, t.shape[dim], new_size - t.shape[dim]).fill_(fill)  # only the new part needs the fill
     return out
+
+
+def gather_pages(pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """`pool[slots]` as a new tensor `[*slots.shape, *pool.shape[1:]]`, through one `index_select`
+    (advanced indexing with a 2-D index is ~8x slower on a CPU, measured on a refinement's gather)."""
+    return pool.index_select(0, slots.reshape(-1)).view(*slots.shape, *pool.shape[1:])
 
 
 class PagedKV:
@@ -169,8 +176,8 @@ class PagedKV:
         old_slots = table[resident]
         new_k = self.k_pool.new_zeros(1 + count + spare, *self.k_pool.shape[1:])
         new_v = self.v_pool.new_zeros(1 + count + spare, *self.v_pool.shape[1:])
-        new_k[1 : 1 + count] = self.k_pool[old_slots]
-        new_v[1 : 1 + count] = self.v_pool[old_slots]
+        new_k[1 : 1 + count] = gather_pages(self.k_pool, old_slots)
+        new_v[1 : 1 + count] = gather_pages(self.v_pool, old_slots)
         table[resident] = torch.arange(1, 1 + count, device=self.device)
         self.k_pool, self.v_pool, self.table = new_k, new_v, table
         self.table_changed()
@@ -221,11 +228,11 @@ class PagedKV:
     def _pages_filled(self, first: int, end: int) -> None:
         """Pages `[first, end)` just became full: write their MinMax entries and their host copies."""
         slots = self.table[:, first:end]  # [N, F]
-        keys = self.k_pool[slots]  # [N, F, P, D]
+        keys = gather_pages(self.k_pool, slots)  # [N, F, P, D]
         s = self.subpages
         sub = keys.view(keys.shape[0], (end - first) * s, self.page_size // s, self.head_dim)
         self.meta_t[:, :, first * s : end * s] = torch.cat([sub.amax(dim=2), sub.amin(dim=2)], dim=-1).transpose(1, 2)
-        values = self.v_pool[slots] if (self.tiered or self.page_means is not None) else None
+        values = gather_pages(self.v_pool, slots) if (self.tiered or self.page_means is not None) else None
         if self.page_means is not None:
             self.page_means[:, first:end] = torch.cat([keys.mean(dim=2), values.mean(dim=2)], dim=-1)
         if self.tiered:
@@ -282,7 +289,7 @@ class PagedKV:
         """
         self.transfers.wait_promotions()
         slots = self.table.gather(1, pages)
-        keys = self.k_pool[slots]
+        keys = gather_pages(self.k_pool, slots)
         if self.tiered and self.host_pages:
             off = (slots == 0) & (pages < self.host_pages)
             if bool(off.any()):
@@ -296,8 +303,8 @@ class PagedKV:
         self.transfers.wait_promotions()  # the device pages read below may be a pending promotion's
         pages = self.num_pages
         slots = self.table[:, :pages]
-        k = self.k_pool[slots].clone()  # [N, Np, P, D]
-        v = self.v_pool[slots].clone()
+        k = gather_pages(self.k_pool, slots)  # [N, Np, P, D], a copy
+        v = gather_pages(self.v_pool, slots)
         if self.tiered and self.host_pages:
             self.transfers.sync_host()
             off = slots[:, : self.host_pages] == 0
