@@ -281,15 +281,21 @@ class PagedKV:
                 "(please report it with your FlexiCacheConfig)."
             )
 
-    def page_keys(self, pages: torch.Tensor) -> torch.Tensor:
+    def page_keys(self, pages: torch.Tensor, workspace=None) -> torch.Tensor:
         """Keys of logical pages `[N, C]` -> `[N, C, P, D]`, from the device where resident, else the host tier.
 
         For re-scoring selected candidates exactly (`FlexiCacheConfig.refine_pages`); tokens past the
         sequence's length in the page being filled are whatever the slot holds: mask them by position.
+        With `workspace` (`kernels.GatherWorkspace`) the keys land in its reused buffer (valid until its next
+        "candidate_keys" gather), not in a fresh multi-MB tensor per layer and step.
         """
         self.transfers.wait_promotions()
         slots = self.table.gather(1, pages)
-        keys = gather_pages(self.k_pool, slots)
+        if workspace is None:
+            keys = gather_pages(self.k_pool, slots)
+        else:
+            keys = workspace.gather(self.k_pool, slots.reshape(-1), "candidate_keys")
+            keys = keys.view(*slots.shape, *self.k_pool.shape[1:])
         if self.tiered and self.host_pages:
             off = (slots == 0) & (pages < self.host_pages)
             if bool(off.any()):

@@ -191,7 +191,7 @@ class PageSelector:
         """Top-C candidates by score, then the K with the most exact attention mass among them (forced pages kept)."""
         cand = kernels.select_topk(scores, min(self.refine, scores.shape[-1]))  # [N, C]
         cand_scores = scores.gather(1, cand)  # +inf: forced, kept first; -inf: all padding, kept last
-        keys = store.page_keys(cand)  # [N, C, P, D]
+        keys = store.page_keys(cand, self.workspace)  # [N, C, P, D]
         n, c, p, d = keys.shape
         logits = torch.matmul(query.float(), keys.view(n, c * p, d).float().transpose(1, 2)) * scaling
         if token_valid_rows is None:
