@@ -280,10 +280,16 @@ def agreement_markdown(rows: Sequence[dict[str, Any]], bench: str = "leval", res
 def write_agreement(root: str | Path, bench: str = "leval", model: str | None = None,
                     tasks: Sequence[str] | None = None, out: str | Path | None = None, resamples: int = 2000,
                     seed: int = 0) -> tuple[list[dict[str, Any]], str]:
-    """`agreement_table` and its Markdown; the Markdown is also written to `out` when given."""
+    """`agreement_table` and its Markdown; the Markdown is also written to `out` when given.
+
+    `out` names a Markdown file; an existing folder (e.g. the results root, which every other `eval` command
+    calls `--out`) gets `agreement-<bench>.md` inside it."""
     rows = agreement_table(root, bench, model, tasks, resamples, seed)
     text = agreement_markdown(rows, bench, resamples, seed)
     if out:
-        Path(out).parent.mkdir(parents=True, exist_ok=True)
-        Path(out).write_text(text)
+        out = Path(out)
+        if out.is_dir():
+            out = out / f"agreement-{bench}.md"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text)
     return rows, text

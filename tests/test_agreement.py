@@ -179,6 +179,12 @@ def test_cli_prints_and_writes_the_table(root, capsys):
     assert cli.main(["agreement", "--results", str(root), "--bench", "longbench"]) == 1  # nothing to compare
 
 
+def test_cli_out_naming_a_folder_writes_the_table_inside_it(root):
+    # The results root is what the other eval commands call --out; it must not crash with IsADirectoryError.
+    assert cli.main(["agreement", "--results", str(root), "--out", str(root), "--resamples", "50"]) == 0
+    assert "| financial_qa | quest-b64 | 3 |" in (root / "agreement-leval.md").read_text()
+
+
 def _folders(out: Path, bench: str, task: str) -> dict[str, dict]:
     return {p.name: json.loads((p / "config.json").read_text()) for p in sorted((out / bench).glob(f"*/{task}/*"))}
 
