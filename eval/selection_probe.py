@@ -58,6 +58,7 @@ DEFAULT_POLICIES = (
     Policy("quest refine 2K", refine=128),
     Policy("quest refine 4K", refine=256),
     Policy("quest sub2 refine 2K", subpages=2, refine=128),  # the default (FlexiCacheConfig()) at budget 1024
+    Policy("group_mean sub2 refine 2K", page_score="group_mean", subpages=2, refine=128),  # GQA-fair proposer
     Policy("quest +tail", tail=True),
     Policy("group_mean sub2 +tail", page_score="group_mean", subpages=2, tail=True),
     Policy("oracle", page_score="oracle"),
