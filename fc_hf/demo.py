@@ -2,7 +2,8 @@
 
 Prints one table - decode tokens/s, device KV bytes, and at how many of dense's generated tokens
 FlexiCache, fed the same tokens (teacher forcing), predicts the same next token - and the two
-continuations; `--verbose` adds FlexiCache's tier and re-rank statistics. Library warnings,
+continuations, and where they first differ with dense's margin there (free-running texts part for good at
+the first near tie, so the margin says whether a difference is a near-tie flip); `--verbose` adds FlexiCache's tier and re-rank statistics. Library warnings,
 logging and progress bars are silenced while the demo runs (its own calls use the cache keyword
 the installed transformers prefers, `compat.cache_kwargs`).
 """
@@ -67,13 +68,28 @@ def _cache_device_bytes(cache) -> int:
 
 
 def _run(model, ids, cache, new_tokens: int):
+    """Greedy `new_tokens`: `(tokens, decode tok/s, device KV bytes, raw next-token logits [new_tokens, V])`."""
     clock = _StepClock()
     with torch.no_grad():
         out = model.generate(
             input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-            do_sample=False, stopping_criteria=StoppingCriteriaList([clock]), **cache_kwargs(model, cache),
+            do_sample=False, stopping_criteria=StoppingCriteriaList([clock]), output_logits=True,
+            return_dict_in_generate=True, **cache_kwargs(model, cache),
         )
-    return out[0, ids.shape[1] :], clock.decode_tokens_per_s(), _cache_device_bytes(cache)
+    logits = torch.cat(out.logits).float()
+    return out.sequences[0, ids.shape[1] :], clock.decode_tokens_per_s(), _cache_device_bytes(cache), logits
+
+
+def _divergence_line(first_diff: int, dense_logits: torch.Tensor, agree: int, n: int) -> str:
+    """Where the two greedy continuations part, and how close dense's own choice was there."""
+    if first_diff >= n:
+        return f"The two continuations are identical over all {n} tokens."
+    top2 = torch.log_softmax(dense_logits[first_diff], dim=-1).topk(2).values
+    margin = float(top2[0] - top2[1])
+    why = " - a near tie, which any change in attention may flip" if margin < 0.5 else ""
+    return (f"They first differ at token {first_diff}, where dense's two likeliest next tokens were {margin:.2f} nats "
+            f"apart{why}; from there each continues its own text (teacher-forced on dense's tokens, FlexiCache "
+            f"picks dense's token at {agree}/{n} steps).")
 
 
 def _teacher_forced_agreement(model, ids, target, cache) -> int:
@@ -118,9 +134,9 @@ def _demo(args) -> int:
         profile_note = f"no usable profile ({e}); every head unstable (Quest)"
     ids = torch.tensor([text_tokens(tokenizer, args.prompt_tokens, offset=1_000_000)])
 
-    dense_out, dense_tps, dense_bytes = _run(model, ids, DynamicCache(config=model.config), args.new_tokens)
+    dense_out, dense_tps, dense_bytes, dense_logits = _run(model, ids, DynamicCache(config=model.config), args.new_tokens)
     cache = FlexiCache(model.config, FlexiCacheConfig(token_budget=args.budget), profile)
-    fc_out, fc_tps, fc_bytes = _run(model, ids, cache, args.new_tokens)
+    fc_out, fc_tps, fc_bytes, _ = _run(model, ids, cache, args.new_tokens)
     first_diff = next((i for i, (a, b) in enumerate(zip(dense_out.tolist(), fc_out.tolist())) if a != b), len(fc_out))
     report, stats = cache.memory_report(), cache.stats()
     forced = FlexiCache(model.config, FlexiCacheConfig(token_budget=args.budget), profile)
@@ -143,4 +159,5 @@ def _demo(args) -> int:
               f"{stats['pages_promoted']} pages promoted.")
     print("\nDense continuation:     ", repr(tokenizer.decode(dense_out[:40])))
     print("FlexiCache continuation:", repr(tokenizer.decode(fc_out[:40])))
+    print(_divergence_line(first_diff, dense_logits, agree, n))
     return 0

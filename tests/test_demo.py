@@ -34,8 +34,9 @@ def test_demo_prints_only_table_and_continuations():
     assert proc.returncode == 0, proc.stderr
     assert proc.stderr == ""
     lines = proc.stdout.splitlines()
-    assert len(lines) == 8, proc.stdout
+    assert len(lines) == 9, proc.stdout
     assert lines[0].startswith(f"{assets.DEFAULT_MODEL}: 300-token King James prompt, 6 greedy tokens")
     assert lines[2].startswith("method") and lines[3].startswith("DynamicCache + sdpa")
     assert lines[4].startswith("FlexiCache (budget 64)") and lines[4].endswith("/6")
     assert lines[6].startswith("Dense continuation:") and lines[7].startswith("FlexiCache continuation:")
+    assert lines[8].startswith(("They first differ at token ", "The two continuations are identical")), lines[8]
