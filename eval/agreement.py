@@ -30,6 +30,11 @@ Pooled rows: "all" (when there are at least two tasks) and, for L-Eval, "open-en
 separately when both kinds are present (exam tasks score exact match, open-ended ones F1 / ROUGE).
 A run whose config differs from dense's on the prompt or the answer length (`max_prompt_tokens`, `seq_length`,
 `dtype`, `max_new_tokens`) is left out with a warning: its answers are to other prompts, or cut elsewhere.
+
+Noise floor (`--control ROOT`): the dense runs of another results root made with another `dtype` (e.g.
+`flexicache eval leval --methods dense --dtype bfloat16 --out ROOT`, same tasks and lengths) become a row
+"dense-<dtype>" of each task. Free-running answers part for good at the first near tie, so answer F1 is low
+even for a perturbation as small as bf16 rounding; that row says how low, and how far a method is from it.
 """
 
 from __future__ import annotations
@@ -89,15 +94,35 @@ def _run_order(name: str, cfg: dict[str, Any]) -> tuple:
     return (METHODS.index(method) if method in METHODS else len(METHODS), int(cfg.get("budget") or 0), name)
 
 
-def task_runs(task_dir: str | Path) -> dict[str, list[tuple[dict, dict]]] | None:
+def _control_run(dense_cfg: dict, control_task_dir: Path | None) -> tuple[str, list[dict]] | None:
+    """`("dense-<dtype>", rows)` of the control root's dense run of this task, when it differs from dense's run
+    in `dtype` only (same prompts and answer length); None when there is none."""
+    if control_task_dir is None:
+        return None
+    rows = read_predictions(control_task_dir / "dense" / "predictions.jsonl")
+    if not rows:
+        return None
+    cfg = _config(control_task_dir / "dense")
+    differ = [k for k in SAME_PROMPT_KEYS if k != "dtype" and k in cfg and k in dense_cfg and cfg[k] != dense_cfg[k]]
+    if differ or cfg.get("dtype") == dense_cfg.get("dtype"):
+        why = ", ".join(differ) + " differ" if differ else "the same dtype as dense's"
+        warnings.warn(f"{control_task_dir / 'dense'}: {why}; not used as a noise-floor control.")
+        return None
+    return f"dense-{cfg.get('dtype')}", rows
+
+
+def task_runs(task_dir: str | Path, control_task_dir: str | Path | None = None) -> dict[str, list[tuple[dict, dict]]] | None:
     """{run folder name: paired (dense row, run row)} for every non-dense run of one task folder, in method
-    order; None when the folder has no dense run. Runs made with other prompts than dense are left out."""
+    order; None when the folder has no dense run. Runs made with other prompts than dense are left out.
+    `control_task_dir`: the same task's folder under a `--control` root; its dense run in another dtype comes
+    first, as "dense-<dtype>"."""
     task_dir = Path(task_dir)
     dense_dir = task_dir / "dense"
     dense_rows = read_predictions(dense_dir / "predictions.jsonl")
     if not dense_rows:
         return None
     dense_cfg = _config(dense_dir)
+    control = _control_run(dense_cfg, None if control_task_dir is None else Path(control_task_dir))
     found = []
     for folder in sorted(p for p in task_dir.iterdir() if p.is_dir() and p.name != "dense"):
         if not (folder / "predictions.jsonl").exists():
@@ -108,8 +133,10 @@ def task_runs(task_dir: str | Path) -> dict[str, list[tuple[dict, dict]]] | None
             warnings.warn(f"{folder}: {', '.join(differ)} differ from dense's run; left out of the comparison.")
             continue
         found.append((_run_order(folder.name, cfg), folder.name))
-    return {name: pair_rows(dense_rows, read_predictions(task_dir / name / "predictions.jsonl"))
-            for _, name in sorted(found)}
+    runs = {} if control is None else {control[0]: pair_rows(dense_rows, control[1])}
+    runs.update({name: pair_rows(dense_rows, read_predictions(task_dir / name / "predictions.jsonl"))
+                 for _, name in sorted(found)})
+    return runs
 
 
 def bootstrap_indices(sizes: Sequence[int], resamples: int = 2000, seed: int = 0) -> np.ndarray:
@@ -181,7 +208,8 @@ def _groups(bench: str, tasks: Sequence[str]) -> list[tuple[str, list[str]]]:
 
 
 def agreement_table(root: str | Path, bench: str = "leval", model: str | None = None,
-                    tasks: Sequence[str] | None = None, resamples: int = 2000, seed: int = 0) -> list[dict[str, Any]]:
+                    tasks: Sequence[str] | None = None, resamples: int = 2000, seed: int = 0,
+                    control: str | Path | None = None) -> list[dict[str, Any]]:
     """One dict per (model, task, run) and per (model, pooled group, run), for the runs under
     `root/<bench>/<model>/<task>/` that have a `dense` run beside them.
 
@@ -191,6 +219,7 @@ def agreement_table(root: str | Path, bench: str = "leval", model: str | None = 
         model: one model folder name (default: every model under `root/<bench>/`).
         tasks: only these tasks (default: every task folder with a dense run).
         resamples, seed: the bootstrap's (module docstring).
+        control: a results root whose dense runs in another dtype become "dense-<dtype>" rows (noise floor).
 
     Each dict: model, task (a task, or "all" / "open-ended" / "exam" with `pooled` True), run (the run
     folder name, e.g. "flexicache-b1024"), `max_prompt_tokens` of the dense run, and `agreement_stats`'s keys.
@@ -207,7 +236,7 @@ def agreement_table(root: str | Path, bench: str = "leval", model: str | None = 
         for task_dir in sorted(p for p in model_dir.iterdir() if p.is_dir()):
             if tasks and task_dir.name not in tasks:
                 continue
-            runs = task_runs(task_dir)
+            runs = task_runs(task_dir, None if control is None else Path(control) / bench / m / task_dir.name)
             if runs is None:
                 continue
             per_task[task_dir.name] = runs
@@ -279,12 +308,12 @@ def agreement_markdown(rows: Sequence[dict[str, Any]], bench: str = "leval", res
 
 def write_agreement(root: str | Path, bench: str = "leval", model: str | None = None,
                     tasks: Sequence[str] | None = None, out: str | Path | None = None, resamples: int = 2000,
-                    seed: int = 0) -> tuple[list[dict[str, Any]], str]:
+                    seed: int = 0, control: str | Path | None = None) -> tuple[list[dict[str, Any]], str]:
     """`agreement_table` and its Markdown; the Markdown is also written to `out` when given.
 
     `out` names a Markdown file; an existing folder (e.g. the results root, which every other `eval` command
     calls `--out`) gets `agreement-<bench>.md` inside it."""
-    rows = agreement_table(root, bench, model, tasks, resamples, seed)
+    rows = agreement_table(root, bench, model, tasks, resamples, seed, control)
     text = agreement_markdown(rows, bench, resamples, seed)
     if out:
         out = Path(out)

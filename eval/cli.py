@@ -152,6 +152,8 @@ def _agreement_options(a):
     a.add_argument("--out", default=None, help="write the Markdown tables here too")
     a.add_argument("--seed", type=int, default=0, help="bootstrap seed")
     a.add_argument("--resamples", type=int, default=2000, help="bootstrap resamples")
+    a.add_argument("--control", default=None,
+                   help="results root of a dense run in another --dtype (same tasks, lengths): a noise-floor row")
 
 
 def _summary_options(s):
@@ -225,7 +227,8 @@ def _freerun(args) -> int:
 def _agreement(args) -> int:
     from .agreement import write_agreement
 
-    rows, text = write_agreement(args.results, args.bench, args.model, args.tasks, args.out, args.resamples, args.seed)
+    rows, text = write_agreement(args.results, args.bench, args.model, args.tasks, args.out, args.resamples, args.seed,
+                                 args.control)
     print(text)
     if args.out:
         print(f"wrote {args.out}")

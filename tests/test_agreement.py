@@ -179,6 +179,25 @@ def test_cli_prints_and_writes_the_table(root, capsys):
     assert cli.main(["agreement", "--results", str(root), "--bench", "longbench"]) == 1  # nothing to compare
 
 
+def test_control_root_adds_a_dense_row_in_another_dtype_and_refuses_other_prompts(root, tmp_path):
+    ctrl = tmp_path / "ctrl"
+    _run(ctrl, "financial_qa", "dense", [("a", "The cat sat on a mat", 1.0), ("b", "blue", 0.5), ("c", "", 0.0)],
+         dtype="bfloat16")
+    _run(ctrl, "quality", "dense", [("x", "A", 1.0), ("y", "B", 0.0)], dtype="bfloat16", max_prompt_tokens=2048)
+    rows = {(r["task"], r["run"]): r for r in agreement_table(root, "leval", resamples=200, control=ctrl)}
+    fin = rows[("financial_qa", "dense-bfloat16")]
+    assert fin["n"] == 3 and fin["agreement"] == pytest.approx((answer_f1("The cat sat on a mat", "The cat sat on the mat") + 2) / 3)
+    with pytest.warns(UserWarning, match="max_prompt_tokens differ"):
+        agreement_table(root, "leval", resamples=50, control=ctrl)
+    assert ("quality", "dense-bfloat16") not in rows  # other prompts: no noise-floor row
+    assert [run for (task, run) in rows if task == "financial_qa"][0] == "dense-bfloat16"  # listed first
+    # A control in dense's own dtype says nothing about numerical noise: refused, with a warning.
+    same = tmp_path / "same"
+    _run(same, "financial_qa", "dense", [("a", "x", 1.0)])
+    with pytest.warns(UserWarning, match="same dtype"):
+        assert not [r for r in agreement_table(root, "leval", resamples=50, control=same) if r["run"].startswith("dense-")]
+
+
 def test_cli_out_naming_a_folder_writes_the_table_inside_it(root):
     # The results root is what the other eval commands call --out; it must not crash with IsADirectoryError.
     assert cli.main(["agreement", "--results", str(root), "--out", str(root), "--resamples", "50"]) == 0
