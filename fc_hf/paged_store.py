@@ -38,10 +38,15 @@ def _grow_dim(t: torch.Tensor, dim: int, new_size: int, fill=0) -> torch.Tensor:
     return out
 
 
-def gather_pages(pool: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """`pool[slots]` as a new tensor `[*slots.shape, *pool.shape[1:]]`, through one `index_select`
-    (advanced indexing with a 2-D index is ~8x slower on a CPU, measured on a refinement's gather)."""
-    return pool.index_select(0, slots.reshape(-1)).view(*slots.shape, *pool.shape[1:])
+def gather_pages(pool: torch.Tensor, slots: torch.Tensor, workspace=None, name: str = "pages") -> torch.Tensor:
+    """`pool[slots]` as `[*slots.shape, *pool.shape[1:]]`, through one `index_select` (advanced indexing with a
+    2-D index is ~8x slower on a CPU, measured on a refinement's gather).
+
+    A new tensor, or with `workspace` (`kernels.GatherWorkspace`) its reused buffer `name` (valid until the next
+    gather under that name), so a hot path does not page-fault a fresh multi-MB tensor per layer and step."""
+    flat = slots.reshape(-1)
+    out = pool.index_select(0, flat) if workspace is None else workspace.gather(pool, flat, name)
+    return out.view(*slots.shape, *pool.shape[1:])
 
 
 class PagedKV:
@@ -286,16 +291,12 @@ class PagedKV:
 
         For re-scoring selected candidates exactly (`FlexiCacheConfig.refine_pages`); tokens past the
         sequence's length in the page being filled are whatever the slot holds: mask them by position.
-        With `workspace` (`kernels.GatherWorkspace`) the keys land in its reused buffer (valid until its next
-        "candidate_keys" gather), not in a fresh multi-MB tensor per layer and step.
+        With `workspace` (`kernels.GatherWorkspace`) the keys land in its reused "candidate_keys" buffer
+        (`gather_pages`).
         """
         self.transfers.wait_promotions()
         slots = self.table.gather(1, pages)
-        if workspace is None:
-            keys = gather_pages(self.k_pool, slots)
-        else:
-            keys = workspace.gather(self.k_pool, slots.reshape(-1), "candidate_keys")
-            keys = keys.view(*slots.shape, *self.k_pool.shape[1:])
+        keys = gather_pages(self.k_pool, slots, workspace, "candidate_keys")
         if self.tiered and self.host_pages:
             off = (slots == 0) & (pages < self.host_pages)
             if bool(off.any()):
