@@ -51,7 +51,7 @@ from .metrics import normalize_answer, token_f1
 from .results import read_predictions
 
 __all__ = ["answer_f1", "pair_rows", "task_runs", "agreement_stats", "agreement_table", "agreement_markdown",
-           "write_agreement", "bootstrap_indices", "percentile_interval", "with_interval"]
+           "write_agreement", "markdown_path", "bootstrap_indices", "percentile_interval", "with_interval"]
 
 # Settings that must match dense's for the answers to be comparable: the same prompts, answers of the same length.
 SAME_PROMPT_KEYS = ("max_prompt_tokens", "seq_length", "dtype", "max_new_tokens")
@@ -94,6 +94,11 @@ def _run_order(name: str, cfg: dict[str, Any]) -> tuple:
     return (METHODS.index(method) if method in METHODS else len(METHODS), int(cfg.get("budget") or 0), name)
 
 
+def _differing_keys(cfg: dict, dense_cfg: dict, skip: Sequence[str] = ()) -> list[str]:
+    """The `SAME_PROMPT_KEYS` (less `skip`) both configs set, to different values."""
+    return [k for k in SAME_PROMPT_KEYS if k not in skip and k in cfg and k in dense_cfg and cfg[k] != dense_cfg[k]]
+
+
 def _control_run(dense_cfg: dict, control_task_dir: Path | None) -> tuple[str, list[dict]] | None:
     """`("dense-<dtype>", rows)` of the control root's dense run of this task, when it differs from dense's run
     in `dtype` only (same prompts and answer length); None when there is none."""
@@ -103,7 +108,7 @@ def _control_run(dense_cfg: dict, control_task_dir: Path | None) -> tuple[str, l
     if not rows:
         return None
     cfg = _config(control_task_dir / "dense")
-    differ = [k for k in SAME_PROMPT_KEYS if k != "dtype" and k in cfg and k in dense_cfg and cfg[k] != dense_cfg[k]]
+    differ = _differing_keys(cfg, dense_cfg, skip=("dtype",))
     if differ or cfg.get("dtype") == dense_cfg.get("dtype"):
         why = ", ".join(differ) + " differ" if differ else "the same dtype as dense's"
         warnings.warn(f"{control_task_dir / 'dense'}: {why}; not used as a noise-floor control.")
@@ -111,7 +116,8 @@ def _control_run(dense_cfg: dict, control_task_dir: Path | None) -> tuple[str, l
     return f"dense-{cfg.get('dtype')}", rows
 
 
-def task_runs(task_dir: str | Path, control_task_dir: str | Path | None = None) -> dict[str, list[tuple[dict, dict]]] | None:
+def task_runs(task_dir: str | Path,
+              control_task_dir: str | Path | None = None) -> dict[str, list[tuple[dict, dict]]] | None:
     """{run folder name: paired (dense row, run row)} for every non-dense run of one task folder, in method
     order; None when the folder has no dense run. Runs made with other prompts than dense are left out.
     `control_task_dir`: the same task's folder under a `--control` root; its dense run in another dtype comes
@@ -128,7 +134,7 @@ def task_runs(task_dir: str | Path, control_task_dir: str | Path | None = None) 
         if not (folder / "predictions.jsonl").exists():
             continue
         cfg = _config(folder)
-        differ = [k for k in SAME_PROMPT_KEYS if k in cfg and k in dense_cfg and cfg[k] != dense_cfg[k]]
+        differ = _differing_keys(cfg, dense_cfg)
         if differ:
             warnings.warn(f"{folder}: {', '.join(differ)} differ from dense's run; left out of the comparison.")
             continue
@@ -312,13 +318,17 @@ def write_agreement(root: str | Path, bench: str = "leval", model: str | None = 
     """`agreement_table` and its Markdown; the Markdown is also written to `out` when given.
 
     `out` names a Markdown file; an existing folder (e.g. the results root, which every other `eval` command
-    calls `--out`) gets `agreement-<bench>.md` inside it."""
+    calls `--out`) gets `agreement-<bench>.md` inside it (`markdown_path`)."""
     rows = agreement_table(root, bench, model, tasks, resamples, seed, control)
     text = agreement_markdown(rows, bench, resamples, seed)
     if out:
-        out = Path(out)
-        if out.is_dir():
-            out = out / f"agreement-{bench}.md"
+        out = markdown_path(out, bench)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(text)
     return rows, text
+
+
+def markdown_path(out: str | Path, bench: str = "leval") -> Path:
+    """Where `write_agreement(out=...)` writes: `out`, or `out/agreement-<bench>.md` when `out` is a folder."""
+    out = Path(out)
+    return out / f"agreement-{bench}.md" if out.is_dir() else out

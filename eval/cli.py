@@ -225,13 +225,13 @@ def _freerun(args) -> int:
 
 
 def _agreement(args) -> int:
-    from .agreement import write_agreement
+    from .agreement import markdown_path, write_agreement
 
     rows, text = write_agreement(args.results, args.bench, args.model, args.tasks, args.out, args.resamples, args.seed,
                                  args.control)
     print(text)
     if args.out:
-        print(f"wrote {args.out}")
+        print(f"wrote {markdown_path(args.out, args.bench)}")
     return 0 if rows else 1
 
 
