@@ -3,9 +3,10 @@
 Prints one table - decode tokens/s, device KV bytes, and at how many of dense's generated tokens
 FlexiCache, fed the same tokens (teacher forcing), predicts the same next token - and the two
 continuations, and where they first differ with dense's margin there (free-running texts part for good at
-the first near tie, so the margin says whether a difference is a near-tie flip); `--verbose` adds FlexiCache's tier and re-rank statistics. Library warnings,
-logging and progress bars are silenced while the demo runs (its own calls use the cache keyword
-the installed transformers prefers, `compat.cache_kwargs`).
+the first near tie, so the margin says whether a difference is a near-tie flip); `--verbose` adds
+FlexiCache's tier and re-rank statistics. Library warnings, logging and progress bars are silenced while
+the demo runs (its own calls use the cache keyword the installed transformers prefers,
+`compat.cache_kwargs`).
 """
 
 from __future__ import annotations
@@ -67,16 +68,18 @@ def _cache_device_bytes(cache) -> int:
     return sum(l.keys.numel() * l.keys.element_size() + l.values.numel() * l.values.element_size() for l in cache.layers)
 
 
-def _run(model, ids, cache, new_tokens: int):
-    """Greedy `new_tokens`: `(tokens, decode tok/s, device KV bytes, raw next-token logits [new_tokens, V])`."""
+def _run(model, ids, cache, new_tokens: int, keep_logits: bool = False):
+    """Greedy `new_tokens`: `(tokens, decode tok/s, device KV bytes, raw next-token logits [new_tokens, V] or None)`.
+
+    Logits only with `keep_logits` (dense's run: its margin where the texts part); the other run keeps none."""
     clock = _StepClock()
     with torch.no_grad():
         out = model.generate(
             input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-            do_sample=False, stopping_criteria=StoppingCriteriaList([clock]), output_logits=True,
+            do_sample=False, stopping_criteria=StoppingCriteriaList([clock]), output_logits=keep_logits,
             return_dict_in_generate=True, **cache_kwargs(model, cache),
         )
-    logits = torch.cat(out.logits).float()
+    logits = torch.cat(out.logits).float() if keep_logits else None
     return out.sequences[0, ids.shape[1] :], clock.decode_tokens_per_s(), _cache_device_bytes(cache), logits
 
 
@@ -134,7 +137,8 @@ def _demo(args) -> int:
         profile_note = f"no usable profile ({e}); every head unstable (Quest)"
     ids = torch.tensor([text_tokens(tokenizer, args.prompt_tokens, offset=1_000_000)])
 
-    dense_out, dense_tps, dense_bytes, dense_logits = _run(model, ids, DynamicCache(config=model.config), args.new_tokens)
+    dense_cache = DynamicCache(config=model.config)
+    dense_out, dense_tps, dense_bytes, dense_logits = _run(model, ids, dense_cache, args.new_tokens, keep_logits=True)
     cache = FlexiCache(model.config, FlexiCacheConfig(token_budget=args.budget), profile)
     fc_out, fc_tps, fc_bytes, _ = _run(model, ids, cache, args.new_tokens)
     first_diff = next((i for i, (a, b) in enumerate(zip(dense_out.tolist(), fc_out.tolist())) if a != b), len(fc_out))
