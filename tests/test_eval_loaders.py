@@ -182,9 +182,7 @@ def test_leval_exam_tasks_load_prompt_and_score():
     assert leval.score_sample(" B", quality[0]) == 1.0 and leval.score_sample("A", quality[0]) == 0.0
     coursera = leval.load_leval("coursera", local=FIXTURES / "leval")
     assert leval.score_sample("AC", coursera[0]) == 0.25 and leval.score_sample("ABC", coursera[0]) == 1.0
-    sci_fi = leval.load_leval("sci_fi", local=FIXTURES / "leval")
-    assert leval.score_sample("False", sci_fi[0]) == 1.0 and leval.score_sample("False", sci_fi[1]) == 0.0
-    # topic_retrieval_longchat: test_leval_topic_retrieval_from_the_real_data (no copy of its records is kept here)
+    # sci_fi and topic_retrieval_longchat: the *_from_the_real_data tests below (no copy of their records is kept here)
     assert set(leval.MAX_NEW_TOKENS) == set(leval.TASKS)
 
 
@@ -213,3 +211,17 @@ def test_leval_topic_retrieval_from_the_real_data():
     record = json.loads((SHARED_LEVAL / "topic_retrieval_longchat.jsonl").read_text().split("\n", 1)[0])
     assert leval.score_sample(record["outputs"][1], samples[1]) == 1.0
     assert leval.score_sample("an answer naming no topic of the chat", samples[1]) == 0.0
+
+
+@pytest.mark.skipif(not (SHARED_LEVAL / "sci_fi.jsonl").exists(),
+                    reason="the L-Eval data folder (../shared/data/leval) is not on this machine")
+def test_leval_sci_fi_from_the_real_data():
+    """True/False judgements are read from the benchmark's own file at run time and scored on the answer before
+    its "[fact: ...]" note (no copy of the records is kept in the repository)."""
+    samples = leval.load_leval("sci_fi", local=SHARED_LEVAL, limit=3)
+    assert len(samples) == 3 and all(s["evaluation"] == "exam" for s in samples)
+    record = json.loads((SHARED_LEVAL / "sci_fi.jsonl").read_text().split("\n", 1)[0])
+    for sample, output in zip(samples, record["outputs"]):
+        answer = output.split()[0]  # "True" or "False"
+        other = {"True": "False", "False": "True"}[answer]
+        assert leval.score_sample(answer, sample) == 1.0 and leval.score_sample(other, sample) == 0.0
