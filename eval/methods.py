@@ -5,6 +5,8 @@
 | dense       | transformers' `DynamicCache` with sdpa attention: the reference                     |
 | flexicache  | stability-aware: the profile's unstable heads re-ranked every step, stable heads    |
 |             | every R=16 steps, host tier on                                                      |
+| auto        | flexicache with `profile="auto"`: no offline profile; every head is Quest-like for  |
+|             | the first `warmup_steps` decode steps, then classified online (fc_hf/online.py)     |
 | quest       | no profile: every head re-ranked every step, everything on the device (Quest); its  |
 |             | own selection (one MinMax entry per page, no refinement) unless the cache options   |
 |             | set `score_subpages` / `refine_pages`                                               |
@@ -44,7 +46,7 @@ __all__ = [
     "resolved_config",
 ]
 
-METHODS = ("dense", "flexicache", "quest", "no-rerank", "uniform", "lserve")
+METHODS = ("dense", "flexicache", "auto", "quest", "no-rerank", "uniform", "lserve")
 # Every name `make_cache` knows: the compared methods, and transformers' offloading cache (benchmarks).
 CACHE_NAMES = METHODS + ("offload",)
 ABLATION = (("no-rerank", 1024), ("uniform", 1024), ("flexicache", 1024), ("flexicache", 2048))
@@ -91,7 +93,7 @@ def method_config(method: str, budget: int = 1024, model_config=None, base=None)
     if method == "dense":
         return None
     base = replace(base or FlexiCacheConfig(), token_budget=int(budget))
-    if method == "flexicache":
+    if method in ("flexicache", "auto"):
         return base
     if method == "quest":
         # The authors' Quest: its bound over one MinMax entry per page alone chooses (no refinement). Only the
@@ -110,13 +112,16 @@ def method_config(method: str, budget: int = 1024, model_config=None, base=None)
 
 
 def method_profile(method: str, model_config, profile=None):
-    """The `HeadProfile` a method runs with: the given one for "flexicache", None (all unstable) for
-    "quest", all heads stable for "no-rerank", "uniform" and "lserve", and nothing for "dense"."""
+    """The `HeadProfile` a method runs with: the given one for "flexicache", "auto" for "auto" (the cache
+    classifies online), None (all unstable) for "quest", all heads stable for "no-rerank", "uniform" and
+    "lserve", and nothing for "dense"."""
     from fc_hf.profile import HeadProfile
 
     _check(method)
     if method in ("dense", "quest"):
         return None
+    if method == "auto":
+        return "auto"
     if method == "flexicache":
         if profile is None:
             raise ValueError("method 'flexicache' needs a head profile (see eval.profile_choice.resolve_profile).")

@@ -19,6 +19,9 @@ causal); `PrefixReuse` does this from each prompt to the next. So a document is 
 each further question costs a forward pass over the question alone, for every method. The tests check
 the result gives the tokens of a fresh `generate` for every method.
 
+A `profile="auto"` cache with `warmup_steps=0` classifies its heads from the prompt's last queries at
+prefill, which handed-over K/V do not carry: it gets its own prefill forward too.
+
 Models with sliding-window layers cannot share: such a layer keeps only its last window, and
 handing that to another cache is not the same as its prefill. For them `load_prefill` runs each
 method's own prefill forward instead (same results, no saving), and prefixes are not reused.
@@ -172,7 +175,9 @@ def load_prefill(prefill: DensePrefill, cache, model, method: str = "dense"):
     if cache.get_seq_length() != 0:
         raise ValueError("load_prefill needs an empty cache; create a new one for every method and sample.")
     prepare_model(model, method)
-    if prefill.kv is None:  # not shareable (sliding-window layers): this method's own prefill
+    # Not shareable (sliding-window layers), or a cache that classifies its heads from the prompt's queries
+    # (profile="auto", warmup_steps=0): this method's own prefill.
+    if prefill.kv is None or getattr(cache, "observes_prefill", False):
         _prompt_forward(model, cache, prefill.prompt_ids)
         return cache
     for layer_idx, (k, v) in enumerate(prefill.kv):

@@ -241,6 +241,12 @@ class FlexiCache(Cache):
             s["timings_s"] = dict(self.timings)
         return s
 
+    @property
+    def observes_prefill(self) -> bool:
+        """True when this cache needs the prompt's queries at prefill (profile="auto" with `warmup_steps=0`): K/V
+        handed over without the prefill forward (`update` alone) leave it nothing to classify from."""
+        return self.auto is not None and self.auto.observing and not self.auto.done
+
     def profile_found(self) -> HeadProfile | None:
         """The `HeadProfile` `profile="auto"` classified (save it with `.save(path)` to reuse it); None before then."""
         if self.auto is None:

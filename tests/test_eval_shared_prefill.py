@@ -50,6 +50,25 @@ def test_greedy_after_shared_prefill_equals_generate(setup, method):
     assert shared == _generate(model, method, profile, prompt, 24)
 
 
+@pytest.mark.parametrize("options", [dict(warmup_steps=0), dict(warmup_steps=8, rerank_interval=4)],
+                         ids=["observe-prefill", "warmup-8"])
+def test_auto_through_its_classification_after_shared_prefill_equals_generate(setup, options):
+    """profile="auto" past its classification: from the prompt's queries (warmup 0, which needs the cache's own
+    prefill forward) or after 8 decode steps; the shared path must still give generate's tokens."""
+    model, _, prompt = setup
+    base = FlexiCacheConfig(page_size=4, **options)
+    pre = dense_prefill(model, prompt)
+    cache = make_cache("auto", model, BUDGET, base=base)
+    shared = greedy_decode(model, pre, "auto", cache, max_new_tokens=24)
+    assert cache.profile_found() is not None  # classified within the 24 steps
+    prepare_model(model, "auto")
+    ids = torch.tensor([prompt])
+    with torch.inference_mode():
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False,
+                             **cache_kwargs(model, make_cache("auto", model, BUDGET, base=base)))
+    assert shared == out[0, len(prompt):].tolist()
+
+
 @pytest.mark.parametrize("method", ["dense", "flexicache", "no-rerank"])
 def test_forced_after_shared_prefill_equals_own_prefill(setup, method):
     model, profile, prompt = setup
