@@ -53,8 +53,10 @@ class FlexiCacheConfig:
             (>= K), their keys are read, and the K with the most exact attention mass among them are chosen. None
             (the default) means 2 * K; 0 turns refinement off (the plain bound, as the authors select).
             2 * K: at budget 1024 on SmolLM2 it cut KL to dense 7x and raised teacher-forced agreement from 0.87
-            to 0.95 (docs/eval/selection.md). A ranking then reads the candidates' keys and, for attention, the
-            kept pages' keys and values: 2x Quest's KV bytes at the same budget for a head ranked every step.
+            to 0.95 (docs/eval/selection.md). A ranking then reads the candidates' keys; that step's attention
+            re-uses the kept pages' logits and reads only their values (PyTorch backend; the Triton decode kernel
+            reads the keys again): 1.5x Quest's KV bytes at the same budget for a head ranked every step (2x on
+            the Triton path).
         tail_estimate (`bool`, *optional*, defaults to False): keep each unselected full page in the softmax as
             one term from its mean key and mean value (per-page means kept beside MinMax).
         backend (`str`, *optional*): "torch" or "triton" forces a kernel backend; None picks by device.

@@ -186,6 +186,9 @@ class HeadGroup:
         """Sparse decode attention for this group. `query [N, G, D]` -> `[N, G, D]`."""
         store = self.store
         pages = self.pages_for_step(step, query, page_valid, scaling, token_valid)
+        logits = self.selector.take_logits(pages)  # a refined ranking at this step already scored these keys
+        if softcap is not None or kernels.backend_for(query, self.cfg.backend) != "torch":
+            logits = None  # the capped logits are not the ranking's; the Triton kernel reads keys in-kernel anyway
         store.transfers.wait_promotions()
         with self._timed("gather_attention"):
             slots = self._slots_for(pages)
@@ -199,6 +202,7 @@ class HeadGroup:
                 query, store.k_pool, store.v_pool, slots, pages, store.length, scaling,
                 token_valid, len(self.heads), softcap, backend=self.cfg.backend, workspace=self.workspace, tail=tail,
                 in_range=True,  # every page read is a page of the sequence: never -1, never past its end
+                logits=logits,
             )
         if self.pending is not None:
             # Deferred promotion: start the copies now, so they overlap the rest of the step.

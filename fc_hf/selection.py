@@ -132,6 +132,8 @@ class PageSelector:
         self.how = page_score or cfg.page_score
         self.recent = cfg.recent_pages
         self.refine = cfg.candidate_pages
+        # (chosen pages, their logits) of the last refined ranking, for that step's attention (`take_logits`).
+        self._chosen_logits: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def page_scores(
         self, query: torch.Tensor, meta: torch.Tensor, num_pages: int, page_valid: torch.Tensor | None, scaling: float
@@ -183,6 +185,7 @@ class PageSelector:
     def select(self, scores: torch.Tensor, query: torch.Tensor, store, scaling: float,
                token_valid_rows: torch.Tensor | None = None) -> torch.Tensor:
         """The pages `[N, min(K, Np)]` chosen from `scores` (`scores()`), refined exactly when `refine_pages` is set."""
+        self._chosen_logits = None
         if not self.refine or self.how == "exact" or scores.shape[-1] <= self.k:
             return self.choose(scores)
         return self._refine(query, store, scores, scaling, token_valid_rows)
@@ -208,9 +211,27 @@ class PageSelector:
             ok &= token_valid_rows.gather(1, pos.clamp(max=token_valid_rows.shape[1] - 1).view(n, -1)).view(n, c, p)
             logits = logits.masked_fill(~ok.view(n, 1, c * p), NEG_INF)
             probs = torch.softmax(logits, dim=-1).nan_to_num(0.0)
-        mass = probs.view(n, -1, c, p).sum(-1).mean(1)  # [N, C]
+        g = logits.shape[1]
+        mass = probs.view(n, g, c, p).sum(-1).mean(1)  # [N, C]
         mass = torch.where(torch.isinf(cand_scores), cand_scores, mass)
-        return cand.gather(1, torch.topk(mass, self.k, dim=-1).indices)
+        top = torch.topk(mass, self.k, dim=-1).indices  # [N, K]
+        chosen = cand.gather(1, top)
+        # The chosen pages' logits, already scaled and masked: this step's attention reads only their values.
+        kept = logits.view(n, g, c, p).gather(2, top[:, None, :, None].expand(n, g, top.shape[1], p))
+        self._chosen_logits = (chosen, kept.view(n, g, -1))
+        return chosen
+
+    def take_logits(self, pages: torch.Tensor) -> torch.Tensor | None:
+        """The logits `[N, G, K*P]` the last ranking computed for `pages`, if `pages` is exactly what it chose; cleared.
+
+        Valid only for the query of the step that ranked: the caller takes them in that step's attention (any
+        later call finds them cleared), and only when it attends to that selection as it is (not deferred,
+        no page created since).
+        """
+        chosen, self._chosen_logits = self._chosen_logits, None
+        if chosen is None or chosen[0] is not pages:
+            return None
+        return chosen[1]
 
     def streaming_pages(self, rows: int, num_pages: int, device) -> torch.Tensor:
         """Sink + most recent pages `[rows, min(K, Np)]` (the LServe-like baseline's streaming heads)."""

@@ -49,15 +49,16 @@ def select_topk(scores, k, backend=None):
 
 def sparse_decode_attention(
     query, k_pool, v_pool, slots, page_idx, seq_len, scaling, token_valid=None, rows_per_batch=1, softcap=None,
-    backend=None, workspace=None, tail=None, in_range=False,
+    backend=None, workspace=None, tail=None, in_range=False, logits=None,
 ):
     """Sparse paged decode attention; `workspace` (a `GatherWorkspace`) is used by the PyTorch backend only.
 
     `tail` (estimates of unselected pages, `fc_hf.selection.tail_terms`) runs on the PyTorch backend
     on every device: the Triton kernel has no extra softmax terms. `in_range` (every page index is a page of the
     sequence) lets the PyTorch backend mask with one table lookup; the Triton kernel masks in-kernel anyway.
+    `logits` (the ranking's own logits of these pages) is for the PyTorch backend: it reads only the values.
     """
-    if tail is None and backend_for(query, backend) == "triton":
+    if tail is None and logits is None and backend_for(query, backend) == "triton":
         from .decode import sparse_decode_attention_triton
 
         return sparse_decode_attention_triton(
@@ -65,7 +66,7 @@ def sparse_decode_attention(
         )
     return torch_backend.sparse_decode_attention(
         query, k_pool, v_pool, slots, page_idx, seq_len, scaling, token_valid, rows_per_batch, softcap, workspace, tail,
-        in_range,
+        in_range, logits,
     )
 
 

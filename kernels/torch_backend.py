@@ -199,6 +199,7 @@ def sparse_decode_attention(
     workspace: GatherWorkspace | None = None,
     tail: tuple[torch.Tensor, torch.Tensor] | None = None,
     in_range: bool = False,
+    logits: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode attention of each row's query heads over the tokens of its selected pages.
 
@@ -223,6 +224,9 @@ def sparse_decode_attention(
             of the positions past `seq_len` (shared by all calls of one length through `workspace`), and, without
             `token_valid`, every row has an attendable token, so no NaN from an empty row needs clearing (a NaN
             or inf in the inputs then propagates, as in dense attention). Same result for finite inputs.
+        logits (`torch.Tensor` of shape `[N, G, M*P]`, *optional*): the scaled fp32 logits of exactly these pages'
+            tokens, in this order, with every non-attendable position already at -inf (the ranking computed them:
+            `fc_hf.selection.PageSelector` with refinement). The keys are then not read; not with `softcap`.
 
     Returns:
         `torch.Tensor` of shape `[N, G, D]` in the query's dtype.
@@ -230,12 +234,19 @@ def sparse_decode_attention(
     n, m = slots.shape
     page_size, dim = k_pool.shape[1], k_pool.shape[2]
     flat = slots.reshape(-1)
-    if workspace is None:
-        keys, values = k_pool.index_select(0, flat), v_pool.index_select(0, flat)
-    else:
-        keys, values = workspace.gather(k_pool, flat, "k"), workspace.gather(v_pool, flat, "v")
-    keys = keys.view(n, m * page_size, dim)
+    values = v_pool.index_select(0, flat) if workspace is None else workspace.gather(v_pool, flat, "v")
     values = values.view(n, m * page_size, v_pool.shape[2])
+    if logits is not None:  # computed (and masked) by the ranking: the keys are not read again
+        if softcap is not None:
+            raise ValueError("precomputed logits cannot be soft-capped after masking; pass logits=None with softcap.")
+        probs = torch.softmax(logits if tail is None else torch.cat([logits, tail[0].float()], dim=-1), dim=-1)
+        if tail is not None:
+            values = torch.cat([values, tail[1].to(values.dtype)], dim=1)
+        if token_valid is not None:  # a fully padded row: zeros, not NaN
+            probs = torch.nan_to_num(probs, nan=0.0)
+        return torch.matmul(probs.to(values.dtype), values).to(query.dtype)
+    keys = k_pool.index_select(0, flat) if workspace is None else workspace.gather(k_pool, flat, "k")
+    keys = keys.view(n, m * page_size, dim)
     logits = torch.matmul(query.to(keys.dtype), keys.transpose(1, 2)).float() * scaling  # [N, G, M*P]
     if softcap is not None:
         logits = torch.tanh(logits / softcap) * softcap

@@ -126,3 +126,79 @@ def test_refine_with_every_page_as_candidate_is_the_exact_selection():
         assert torch.equal(a, b)
     # ... and the Quest bound chooses differently on this data (the comparison can fail).
     assert any(not torch.equal(a, b) for a, b in zip(runs["exact"], runs["quest"]))
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_attention_from_the_rankings_logits_equals_reading_the_keys(padded):
+    """`sparse_decode_attention(..., logits=...)` (keys not read) gives what reading the keys gives, tail included."""
+    n, g, d, pages, page_size = 4, 3, 8, 7, 4
+    gen = torch.Generator().manual_seed(11)
+    k_pool, v_pool = torch.randn(1 + n * pages, page_size, d, generator=gen), torch.randn(1 + n * pages, page_size, d, generator=gen)
+    q = torch.randn(n, g, d, generator=gen)
+    length, scaling = (pages - 1) * page_size + 2, d ** -0.5
+    sel = torch.stack([torch.cat([torch.randperm(pages - 1, generator=gen)[:3], torch.tensor([pages - 1])]) for _ in range(n)])
+    slots = 1 + torch.arange(n)[:, None] * pages + sel
+    token_valid = None
+    if padded:  # 2 sequences x 2 heads; the second sequence's first 9 positions are padding
+        token_valid = torch.ones(2, length, dtype=torch.bool)
+        token_valid[1, :9] = False
+    keys = k_pool[slots.reshape(-1)].view(n, -1, d)
+    logits = torch.matmul(q, keys.transpose(1, 2)) * scaling
+    ok = torch_backend.token_mask(sel, page_size, length, token_valid, 2)
+    logits = logits.masked_fill(~ok[:, None, :], float("-inf"))
+    means = torch.randn(n, pages - 1, 2 * d, generator=gen)
+    tail = tail_terms(q, means, sel, pages - 1, page_size, scaling)
+    for t in (None, tail):
+        read = torch_backend.sparse_decode_attention(q, k_pool, v_pool, slots, sel, length, scaling, token_valid, 2, tail=t)
+        reused = torch_backend.sparse_decode_attention(q, k_pool, v_pool, slots, sel, length, scaling, token_valid, 2,
+                                                       tail=t, logits=logits)
+        torch.testing.assert_close(reused, read, rtol=1e-6, atol=1e-6)
+    wrong = torch_backend.sparse_decode_attention(q, k_pool, v_pool, slots, sel, length, scaling, token_valid, 2,
+                                                  logits=logits.roll(1, dims=-1))
+    assert (wrong - read).abs().max() > 1e-3  # the logits are really what the output is made of
+    with pytest.raises(ValueError, match="soft-capped"):
+        torch_backend.sparse_decode_attention(q, k_pool, v_pool, slots, sel, length, scaling, softcap=30.0, logits=logits)
+
+
+@pytest.mark.parametrize("opts", [dict(), dict(promotion="deferred"), dict(tail_estimate=True)],
+                         ids=["default", "deferred", "tail"])
+def test_refined_ranking_steps_reuse_their_logits_and_match_reading_the_keys(opts):
+    """A step that ranks with refinement attends from the ranking's logits (only the values are read); the logits
+    of generate then equal those of the same cache with the re-use turned off. Deferred promotion attends to the
+    previous selection at a stable head's re-rank: that step cannot re-use."""
+    from conftest import tiny_model
+
+    from fc_hf.profile import HeadProfile
+    from fc_hf.selection import PageSelector
+
+    model = tiny_model("llama", layers=2, heads=6, kv_heads=2)
+    ids = torch.randint(1, 90, (2, 300), generator=torch.Generator().manual_seed(6))
+    profile = HeadProfile.from_unstable(model.config, [(0, 1), (1, 0)])
+    cfg = FlexiCacheConfig(page_size=8, token_budget=64, rerank_interval=4, **opts)
+    taken = {"used": 0, "offered": 0}
+    real = PageSelector.take_logits
+
+    def counting(self, pages):
+        out = real(self, pages)
+        taken["offered"] += 1
+        taken["used"] += out is not None
+        return out
+
+    def run(reuse):
+        PageSelector.take_logits = counting if reuse else (lambda self, pages: (real(self, pages), None)[1])
+        try:
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False,
+                                 output_logits=True, return_dict_in_generate=True,
+                                 past_key_values=FlexiCache(model.config, cfg, profile))
+        finally:
+            PageSelector.take_logits = real
+        return torch.stack(out.logits)
+
+    with torch.inference_mode():
+        without = run(False)
+        with_reuse = run(True)
+    torch.testing.assert_close(with_reuse, without, rtol=1e-5, atol=1e-5)
+    # 11 decode steps x 2 layers x 2 groups offered; unstable groups rank (and re-use) every step, stable ones at
+    # steps 1, 4, 8 (deferred: at step 1 only, where there is nothing to promote yet).
+    assert taken["offered"] == 11 * 2 * 2
+    assert taken["used"] == 11 * 2 + 2 * (3 if opts.get("promotion") != "deferred" else 1)
