@@ -202,3 +202,61 @@ def test_refined_ranking_steps_reuse_their_logits_and_match_reading_the_keys(opt
     # steps 1, 4, 8 (deferred: at step 1 only, where there is nothing to promote yet).
     assert taken["offered"] == 11 * 2 * 2
     assert taken["used"] == 11 * 2 + 2 * (3 if opts.get("promotion") != "deferred" else 1)
+
+
+def test_stable_query_window_ranks_by_the_mean_mass_of_the_last_w_queries():
+    """`stable_query_window=W`: a stable re-rank hands the refinement the queries of the W - 1 steps before it (the
+    ring is checked against the queries the group attended with), and with every page a candidate the kept pages
+    are the top ones by exact attention mass averaged over those W queries (brute force from the store's keys)."""
+    from conftest import tiny_model
+
+    from fc_hf.head_group import HeadGroup
+    from fc_hf.profile import HeadProfile
+
+    model = tiny_model("llama", layers=2, heads=6, kv_heads=2)
+    ids = torch.randint(1, 90, (1, 300), generator=torch.Generator().manual_seed(8))
+    profile = HeadProfile.from_unstable(model.config, [(0, 0), (1, 0)])  # KV head 1 of each layer is stable
+    w, pages = 4, 300 // 8 + 6
+    cfg = FlexiCacheConfig(page_size=8, token_budget=64, rerank_interval=8, refine_pages=pages, stable_query_window=w,
+                           sink_pages=0)
+    cache = FlexiCache(model.config, cfg, profile)
+    group = [g for g in cache.flexi_layers[1].groups if g.kind == "stable"][0]
+    queries, checked = [], []
+    real_attend, real_select = group.attend, group.selector.select
+
+    def attend(query, step, *a, **kw):
+        out = real_attend(query, step, *a, **kw)
+        queries.append(query.clone())
+        return out
+
+    def select(scores, query, store, scaling, rows_valid=None, past=None):
+        out = real_select(scores, query, store, scaling, rows_valid, past)
+        if len(queries) >= w - 1:  # a re-rank with a full window
+            expect_past = torch.cat(queries[-(w - 1):], dim=1)  # [N, (w-1)*G, D], the group's last w - 1 queries
+            assert past is not None and past.shape == expect_past.shape
+            # Same queries, in ring order: compare as sets of rows.
+            assert torch.equal(past.sort(dim=1).values, expect_past.sort(dim=1).values)
+            n = store.num_pages
+            keys = store.page_keys(torch.arange(n).expand(store.rows, n)).reshape(store.rows, n * 8, -1)
+            allq = torch.cat([query, past], dim=1).float()
+            logits = (allq @ keys.float().transpose(1, 2)) * scaling
+            logits[..., store.length:] = float("-inf")
+            mass = torch.softmax(logits, -1).view(store.rows, allq.shape[1], n, 8).sum(-1).mean(1)
+            mass[:, n - 1] = float("inf")  # the page being filled is forced
+            expect = torch.topk(mass, cfg.pages_per_head, dim=-1).indices.sort(-1).values
+            assert torch.equal(out.sort(-1).values, expect)
+            checked.append(len(queries))
+        return out
+
+    group.attend, group.selector.select = attend, select
+    with torch.inference_mode():
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=18, do_sample=False,
+                       past_key_values=cache)
+    assert checked == [7, 15]  # the re-ranks at steps 8 and 16 (step 1 had no past queries)
+
+
+def test_stable_query_window_is_validated():
+    with pytest.raises(ValueError, match="stable_query_window"):
+        FlexiCacheConfig(stable_query_window=-1)
+    with pytest.raises(ValueError, match="stable_query_window"):
+        FlexiCacheConfig(stable_query_window=True)
