@@ -59,10 +59,6 @@ class FlexiCacheConfig:
             the Triton path).
         tail_estimate (`bool`, *optional*, defaults to False): keep each unselected full page in the softmax as
             one term from its mean key and mean value (per-page means kept beside MinMax).
-        stable_query_window (`int`, *optional*, defaults to 0): with refinement, a stable head's re-rank keeps the
-            candidates with the most exact attention mass averaged over the queries of its last W decode steps
-            (the current one included) instead of the current query's alone: the pages it keeps serve the next R
-            steps, whose queries resemble its recent ones more than any single one. 0 or 1: the current query.
         backend (`str`, *optional*): "torch" or "triton" forces a kernel backend; None picks by device.
         warmup_steps (`int`, *optional*, defaults to 64): `profile="auto"` only: decode steps every head is
             unstable while the cache records their selections, before it classifies them (a multiple of
@@ -88,7 +84,6 @@ class FlexiCacheConfig:
     stable_page_score: str | None = None
     tail_estimate: bool = False
     refine_pages: int | None = None
-    stable_query_window: int = 0
     backend: str | None = None
     warmup_steps: int = 64
 
@@ -146,13 +141,6 @@ class FlexiCacheConfig:
             raise ValueError(
                 f"FlexiCacheConfig.refine_pages must be None (2 * K), 0 (off) or an integer >= {self.pages_per_head} "
                 f"(the budget's pages), got {self.refine_pages!r}."
-            )
-        if isinstance(self.stable_query_window, bool) or not isinstance(self.stable_query_window, int) or (
-            self.stable_query_window < 0
-        ):
-            raise ValueError(
-                f"FlexiCacheConfig.stable_query_window must be an integer >= 0 (queries of the last W decode steps a "
-                f"stable head's refined re-rank averages over; 0 = the current query), got {self.stable_query_window!r}."
             )
         if self.score_subpages is not None:
             positive_int("score_subpages", self.score_subpages)

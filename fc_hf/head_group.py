@@ -56,10 +56,6 @@ class HeadGroup:
         # pages are kept until the selection or the page count changes, their slots until the table does.
         self._pages_memo: tuple | None = None  # (sel, pages_at_rank, num_pages, rows, pages)
         self._slots_memo: tuple | None = None  # (pages, table_version, slots)
-        # `stable_query_window`: the queries of this stable group's last W - 1 steps, a ring [W - 1, N, G, D].
-        self.window = max(0, cfg.stable_query_window - 1) if kind == STABLE and cfg.candidate_pages else 0
-        self._past_queries: torch.Tensor | None = None
-        self._queries_seen = 0
 
     def init_store(self, batch, head_dim, value_dim, dtype, device):
         self.head_index = torch.tensor(self.heads, device=device)
@@ -95,22 +91,7 @@ class HeadGroup:
         with self._timed("scoring"):
             scores = self.selector.scores(query, self.store, page_valid, scaling, rows_valid)
         with self._timed("selection"):
-            return self.selector.select(scores, query, self.store, scaling, rows_valid, self._window_queries())
-
-    def _window_queries(self) -> torch.Tensor | None:
-        """The past queries a ranking averages over, `[N, w*G, D]` (None: none kept or seen yet)."""
-        seen = min(self._queries_seen, self.window)
-        if not seen:
-            return None
-        past = self._past_queries[:seen]  # [w, N, G, D]; order does not matter to the mean
-        return past.permute(1, 0, 2, 3).reshape(past.shape[1], -1, past.shape[3])
-
-    def _remember_query(self, query: torch.Tensor) -> None:
-        if self._past_queries is None or self._past_queries.shape[1:] != query.shape:
-            self._past_queries = query.new_empty((self.window, *query.shape))
-            self._queries_seen = 0
-        self._past_queries[self._queries_seen % self.window].copy_(query)
-        self._queries_seen += 1
+            return self.selector.select(scores, query, self.store, scaling, rows_valid)
 
     def pages_for_step(
         self, step: int, query: torch.Tensor, page_valid: torch.Tensor | None, scaling: float = 1.0,
@@ -205,8 +186,6 @@ class HeadGroup:
         """Sparse decode attention for this group. `query [N, G, D]` -> `[N, G, D]`."""
         store = self.store
         pages = self.pages_for_step(step, query, page_valid, scaling, token_valid)
-        if self.window:  # after the ranking: the window holds earlier steps' queries only
-            self._remember_query(query)
         logits = self.selector.take_logits(pages)  # a refined ranking at this step already scored these keys
         if softcap is not None or kernels.backend_for(query, self.cfg.backend) != "torch":
             logits = None  # the capped logits are not the ranking's; the Triton kernel reads keys in-kernel anyway
@@ -235,8 +214,6 @@ class HeadGroup:
         if self.store is None:
             return
         row_map = self.store.select_rows(batch_index)
-        if self._past_queries is not None:
-            self._past_queries = self._past_queries[:, row_map]
         if self.sel is not None:
             self.sel = self.sel[row_map]
         if self.pending is not None:

@@ -20,10 +20,6 @@ Policies (`FlexiCacheConfig` options):
   read and scored exactly (true attention mass among the candidates, mean over the group); the top K of
   those are chosen. Costs reading the candidates' keys at every ranking; it is the default because no
   cheaper policy came close (docs/eval/selection.md).
-- `stable_query_window=W` (with refinement; default 0 = off): a stable head's re-rank averages the candidates'
-  exact mass over the queries of its last W steps (kept by its `HeadGroup`), since what it keeps must serve
-  the next R steps. Past queries are not masked causally against the few keys newer than them (at most W
-  tokens, in pages the ranking forces or that a new page soon replaces).
 - `tail_estimate=True`: the unselected full pages are not dropped from the softmax but stand in as one
   term each, `P * exp(scaling * q.mean_key)` with the page's mean value (RetroInfer-like); needs the
   per-page mean key and value beside MinMax (`D + Dv` more metadata values per page).
@@ -187,26 +183,20 @@ class PageSelector:
         return kernels.select_topk(scores, self.k)
 
     def select(self, scores: torch.Tensor, query: torch.Tensor, store, scaling: float,
-               token_valid_rows: torch.Tensor | None = None, past_queries: torch.Tensor | None = None) -> torch.Tensor:
-        """The pages `[N, min(K, Np)]` chosen from `scores` (`scores()`), refined exactly when `refine_pages` is set.
-
-        `past_queries [N, W*G, D]` (optional): earlier steps' queries whose exact mass the refinement averages in
-        (`stable_query_window`).
-        """
+               token_valid_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The pages `[N, min(K, Np)]` chosen from `scores` (`scores()`), refined exactly when `refine_pages` is set."""
         self._chosen_logits = None
         if not self.refine or self.how == "exact" or scores.shape[-1] <= self.k:
             return self.choose(scores)
-        return self._refine(query, store, scores, scaling, token_valid_rows, past_queries)
+        return self._refine(query, store, scores, scaling, token_valid_rows)
 
-    def _refine(self, query, store, scores, scaling, token_valid_rows, past_queries=None):
+    def _refine(self, query, store, scores, scaling, token_valid_rows):
         """Top-C candidates by score, then the K with the most exact attention mass among them (forced pages kept)."""
         cand = kernels.select_topk(scores, min(self.refine, scores.shape[-1]))  # [N, C]
         cand_scores = scores.gather(1, cand)  # +inf: forced, kept first; -inf: all padding, kept last
         keys = store.page_keys(cand, self.workspace)  # [N, C, P, D]
         n, c, p, d = keys.shape
-        g = query.shape[1]
-        queries = query.float() if past_queries is None else torch.cat([query.float(), past_queries.float()], dim=1)
-        logits = torch.matmul(queries, keys.view(n, c * p, d).float().transpose(1, 2)) * scaling
+        logits = torch.matmul(query.float(), keys.view(n, c * p, d).float().transpose(1, 2)) * scaling
         if token_valid_rows is None:
             # Candidates are pages of the sequence: their positions past its end, looked up in one table (shared by
             # the step's layers through the workspace). Every row holds the page being filled (forced), so none is
@@ -221,13 +211,13 @@ class PageSelector:
             ok &= token_valid_rows.gather(1, pos.clamp(max=token_valid_rows.shape[1] - 1).view(n, -1)).view(n, c, p)
             logits = logits.masked_fill(~ok.view(n, 1, c * p), NEG_INF)
             probs = torch.softmax(logits, dim=-1).nan_to_num(0.0)
-        mass = probs.view(n, -1, c, p).sum(-1).mean(1)  # [N, C]
+        g = logits.shape[1]
+        mass = probs.view(n, g, c, p).sum(-1).mean(1)  # [N, C]
         mass = torch.where(torch.isinf(cand_scores), cand_scores, mass)
         top = torch.topk(mass, self.k, dim=-1).indices  # [N, K]
         chosen = cand.gather(1, top)
-        # The chosen pages' logits (the current query's rows: the first G), already scaled and masked: this step's
-        # attention reads only their values.
-        kept = logits[:, :g].reshape(n, g, c, p).gather(2, top[:, None, :, None].expand(n, g, top.shape[1], p))
+        # The chosen pages' logits, already scaled and masked: this step's attention reads only their values.
+        kept = logits.view(n, g, c, p).gather(2, top[:, None, :, None].expand(n, g, top.shape[1], p))
         self._chosen_logits = (chosen, kept.view(n, g, -1))
         return chosen
 
