@@ -239,25 +239,21 @@ def sparse_decode_attention(
     if logits is not None:  # computed (and masked) by the ranking: the keys are not read again
         if softcap is not None:
             raise ValueError("precomputed logits cannot be soft-capped after masking; pass logits=None with softcap.")
-        probs = torch.softmax(logits if tail is None else torch.cat([logits, tail[0].float()], dim=-1), dim=-1)
-        if tail is not None:
-            values = torch.cat([values, tail[1].to(values.dtype)], dim=1)
-        if token_valid is not None:  # a fully padded row: zeros, not NaN
-            probs = torch.nan_to_num(probs, nan=0.0)
-        return torch.matmul(probs.to(values.dtype), values).to(query.dtype)
-    keys = k_pool.index_select(0, flat) if workspace is None else workspace.gather(k_pool, flat, "k")
-    keys = keys.view(n, m * page_size, dim)
-    logits = torch.matmul(query.to(keys.dtype), keys.transpose(1, 2)).float() * scaling  # [N, G, M*P]
-    if softcap is not None:
-        logits = torch.tanh(logits / softcap) * softcap
-    if in_range and token_valid is None:
-        if seq_len % page_size:  # else every page read is full: nothing to mask
-            table = (workspace.past_end(seq_len, page_size, page_idx.device) if workspace is not None
-                     else past_end_table(seq_len, page_size, page_idx.device))
-            logits = logits.masked_fill(table.index_select(0, page_idx.reshape(-1)).view(n, 1, m * page_size), NEG_INF)
     else:
-        ok = token_mask(page_idx, page_size, seq_len, token_valid, rows_per_batch)
-        logits = logits.masked_fill(~ok[:, None, :], NEG_INF)
+        keys = k_pool.index_select(0, flat) if workspace is None else workspace.gather(k_pool, flat, "k")
+        keys = keys.view(n, m * page_size, dim)
+        logits = torch.matmul(query.to(keys.dtype), keys.transpose(1, 2)).float() * scaling  # [N, G, M*P]
+        if softcap is not None:
+            logits = torch.tanh(logits / softcap) * softcap
+        if in_range and token_valid is None:
+            if seq_len % page_size:  # else every page read is full: nothing to mask
+                table = (workspace.past_end(seq_len, page_size, page_idx.device) if workspace is not None
+                         else past_end_table(seq_len, page_size, page_idx.device))
+                logits = logits.masked_fill(table.index_select(0, page_idx.reshape(-1)).view(n, 1, m * page_size),
+                                            NEG_INF)
+        else:
+            ok = token_mask(page_idx, page_size, seq_len, token_valid, rows_per_batch)
+            logits = logits.masked_fill(~ok[:, None, :], NEG_INF)
     if tail is not None:
         logits = torch.cat([logits, tail[0].float()], dim=-1)
         values = torch.cat([values, tail[1].to(values.dtype)], dim=1)
