@@ -186,9 +186,10 @@ class HeadGroup:
         """Sparse decode attention for this group. `query [N, G, D]` -> `[N, G, D]`."""
         store = self.store
         pages = self.pages_for_step(step, query, page_valid, scaling, token_valid)
-        logits = self.selector.take_logits(pages)  # a refined ranking at this step already scored these keys
-        if softcap is not None or kernels.backend_for(query, self.cfg.backend) != "torch":
-            logits = None  # the capped logits are not the ranking's; the Triton kernel reads keys in-kernel anyway
+        # A refined ranking at this step already scored these keys. Not re-used under a softcap (the capped logits are
+        # not the ranking's) or on Triton (its kernel reads the keys in-kernel anyway); offered every step to clear them.
+        reusable = softcap is None and kernels.backend_for(query, self.cfg.backend) == "torch"
+        logits = self.selector.take_logits(pages, wanted=reusable)
         store.transfers.wait_promotions()
         with self._timed("gather_attention"):
             slots = self._slots_for(pages)

@@ -132,8 +132,9 @@ class PageSelector:
         self.how = page_score or cfg.page_score
         self.recent = cfg.recent_pages
         self.refine = cfg.candidate_pages
-        # (chosen pages, their logits) of the last refined ranking, for that step's attention (`take_logits`).
-        self._chosen_logits: tuple[torch.Tensor, torch.Tensor] | None = None
+        # (chosen pages, their indices among the candidates, the candidates' logits [N, G, C, P]) of the last refined
+        # ranking, for that step's attention (`take_logits`).
+        self._chosen_logits: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def page_scores(
         self, query: torch.Tensor, meta: torch.Tensor, num_pages: int, page_valid: torch.Tensor | None, scaling: float
@@ -216,22 +217,23 @@ class PageSelector:
         mass = torch.where(torch.isinf(cand_scores), cand_scores, mass)
         top = torch.topk(mass, self.k, dim=-1).indices  # [N, K]
         chosen = cand.gather(1, top)
-        # The chosen pages' logits, already scaled and masked: this step's attention reads only their values.
-        kept = logits.view(n, g, c, p).gather(2, top[:, None, :, None].expand(n, g, top.shape[1], p))
-        self._chosen_logits = (chosen, kept.view(n, g, -1))
+        self._chosen_logits = (chosen, top, logits.view(n, g, c, p))
         return chosen
 
-    def take_logits(self, pages: torch.Tensor) -> torch.Tensor | None:
+    def take_logits(self, pages: torch.Tensor, wanted: bool = True) -> torch.Tensor | None:
         """The logits `[N, G, K*P]` the last ranking computed for `pages`, if `pages` is exactly what it chose; cleared.
 
-        Valid only for the query of the step that ranked: the caller takes them in that step's attention (any
-        later call finds them cleared), and only when it attends to that selection as it is (not deferred,
-        no page created since).
+        They are already scaled and masked, so that step's attention reads only the pages' values. Valid only for
+        the query of the step that ranked: the caller offers every step's pages (any later call finds them
+        cleared), and they are returned only when it attends to that selection as it is (not deferred, no page
+        created since). `wanted=False` only clears them (an attention that reads the keys anyway): nothing is gathered.
         """
-        chosen, self._chosen_logits = self._chosen_logits, None
-        if chosen is None or chosen[0] is not pages:
+        stash, self._chosen_logits = self._chosen_logits, None
+        if not wanted or stash is None or stash[0] is not pages:
             return None
-        return chosen[1]
+        _, top, logits = stash  # [N, K], [N, G, C, P]
+        n, g, _, p = logits.shape
+        return logits.gather(2, top[:, None, :, None].expand(n, g, top.shape[1], p)).view(n, g, -1)
 
     def streaming_pages(self, rows: int, num_pages: int, device) -> torch.Tensor:
         """Sink + most recent pages `[rows, min(K, Np)]` (the LServe-like baseline's streaming heads)."""

@@ -178,14 +178,14 @@ def test_refined_ranking_steps_reuse_their_logits_and_match_reading_the_keys(opt
     taken = {"used": 0, "offered": 0}
     real = PageSelector.take_logits
 
-    def counting(self, pages):
-        out = real(self, pages)
+    def counting(self, pages, **kw):
+        out = real(self, pages, **kw)
         taken["offered"] += 1
         taken["used"] += out is not None
         return out
 
     def run(reuse):
-        PageSelector.take_logits = counting if reuse else (lambda self, pages: (real(self, pages), None)[1])
+        PageSelector.take_logits = counting if reuse else (lambda self, pages, **kw: (real(self, pages, **kw), None)[1])
         try:
             out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False,
                                  output_logits=True, return_dict_in_generate=True,
