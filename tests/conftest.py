@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import json
 import os
-from pathlib import Path
 
 import pytest
 import torch
 
-FIXTURES = Path(__file__).parent / "fixtures"
+from benchmark_records import records_folder
+
+FIXTURES = records_folder()  # invented L-Eval / LongBench records, written to a temporary folder
 
 
 # One intra-op thread: the tests are small ops where a thread pool only adds overhead, and on a

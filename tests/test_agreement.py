@@ -10,7 +10,9 @@ from fc_hf.eval import cli, generation
 from fc_hf.eval.agreement import (agreement_markdown, agreement_stats, agreement_table, answer_f1, bootstrap_indices,
                                   pair_rows)
 
-FIXTURES = Path(__file__).parent / "fixtures"
+from benchmark_records import records_folder
+
+FIXTURES = records_folder()  # invented L-Eval / LongBench records, written to a temporary folder
 
 
 def _run(root: Path, task: str, run: str, rows, bench="leval", model="m", **config):

@@ -13,8 +13,9 @@ pytest.importorskip("lm_eval")
 
 from fc_hf.eval import cli, generation, leval, longbench  # noqa: E402
 from fc_hf.eval.lm_eval_tasks import TASKS_PATH  # noqa: E402
+from benchmark_records import records_folder  # noqa: E402
 
-FIXTURES = Path(__file__).parent / "fixtures"
+FIXTURES = records_folder()  # invented L-Eval / LongBench records, written to a temporary folder
 BUDGET = 64  # tokens per head: 4 pages of 16, far below the prompts' ~300 tokens, so FlexiCache really selects
 MAX_LENGTH = 400  # prompt tokens: the fixture documents (~410 tokens) are cut in the middle
 

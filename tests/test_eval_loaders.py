@@ -7,7 +7,9 @@ import pytest
 
 from fc_hf.eval import leval, longbench, sources
 
-FIXTURES = Path(__file__).parent / "fixtures"
+from benchmark_records import records_folder
+
+FIXTURES = records_folder()  # invented L-Eval / LongBench records, written to a temporary folder
 
 
 class WordTokenizer:

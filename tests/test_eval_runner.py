@@ -178,9 +178,9 @@ def test_cli_parses_lists():
 
 
 def test_longbench_run_offline_skips_missing_and_scores_fixture(tiny, tmp_path, capsys):
-    from pathlib import Path
+    from benchmark_records import records_folder
 
-    data = Path(__file__).parent / "fixtures" / "longbench"
+    data = records_folder() / "longbench"
     res = generation.run_longbench("tiny", ["passage_count", "qasper"], ["dense"], [64], tmp_path, data=str(data),
                                max_prompt_tokens=64, model_bundle=(tiny, CharTokenizer(), None))
     assert set(res) == {"passage_count"}  # qasper has no fixture: skipped with one line

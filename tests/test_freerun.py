@@ -2,14 +2,15 @@
 command on a tiny random Llama (conftest's `model_folder`, L-Eval fixtures, a stand-in for the KJV text)."""
 
 import json
-from pathlib import Path
 
 import pytest
 
 from fc_hf.eval import cli
 from fc_hf.eval import freerun as FR
 
-FIXTURES = Path(__file__).parent / "fixtures"
+from benchmark_records import records_folder
+
+FIXTURES = records_folder()  # invented L-Eval / LongBench records, written to a temporary folder
 
 
 @pytest.mark.parametrize("tokens, rate", [
