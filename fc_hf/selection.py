@@ -195,29 +195,29 @@ class PageSelector:
         """Top-C candidates by score, then the K with the most exact attention mass among them (forced pages kept)."""
         cand = kernels.select_topk(scores, min(self.refine, scores.shape[-1]))  # [N, C]
         cand_scores = scores.gather(1, cand)  # +inf: forced, kept first; -inf: all padding, kept last
-        keys = store.page_keys(cand, self.workspace)  # [N, C, P, D]
-        n, c, p, d = keys.shape
-        logits = torch.matmul(query.float(), keys.view(n, c * p, d).float().transpose(1, 2)) * scaling
-        if token_valid_rows is None:
-            # Candidates are pages of the sequence: their positions past its end, looked up in one table (shared by
-            # the step's layers through the workspace). Every row holds the page being filled (forced), so none is
-            # empty and its softmax needs no NaN clearing.
-            past = (self.workspace.past_end(store.length, p, cand.device) if self.workspace is not None
-                    else kernels.torch_backend.past_end_table(store.length, p, cand.device))
-            logits = logits.masked_fill(past.index_select(0, cand.reshape(-1)).view(n, 1, c * p), NEG_INF)
-            probs = torch.softmax(logits, dim=-1)
+        logits = None
+        if kernels.backend_for(query, self.cfg.backend) == "triton":
+            # Two launches read the candidates' keys in place and give their masses (kernels/refine.py).
+            if store.tiered:  # a stable group's candidates may be on the host only: read them into one buffer
+                keys = store.page_keys(cand, self.workspace)
+                pool = keys.view(-1, *keys.shape[2:])
+                slots = torch.arange(pool.shape[0], device=cand.device).view_as(cand)
+            else:
+                pool, slots = store.k_pool, store.slots_for(cand)
+            mass = kernels.candidate_mass(query, pool, slots, cand, store.length, scaling, cand_scores,
+                                          token_valid_rows, backend="triton")
         else:
-            pos = cand[:, :, None] * p + torch.arange(p, device=cand.device)  # [N, C, P]
-            ok = pos < store.length
-            ok &= token_valid_rows.gather(1, pos.clamp(max=token_valid_rows.shape[1] - 1).view(n, -1)).view(n, c, p)
-            logits = logits.masked_fill(~ok.view(n, 1, c * p), NEG_INF)
-            probs = torch.softmax(logits, dim=-1).nan_to_num(0.0)
-        g = logits.shape[1]
-        mass = probs.view(n, g, c, p).sum(-1).mean(1)  # [N, C]
-        mass = torch.where(torch.isinf(cand_scores), cand_scores, mass)
+            # The candidates' logits are kept: the step's attention re-uses the chosen pages' (`take_logits`).
+            keys = store.page_keys(cand, self.workspace)  # [N, C, P, D]
+            logits = kernels.torch_backend.candidate_logits(query, keys, cand, store.length, scaling,
+                                                            token_valid_rows, self.workspace)
+            mass = kernels.torch_backend.mass_from_logits(logits, store.page_size, cand_scores,
+                                                          padded=token_valid_rows is not None)
         top = torch.topk(mass, self.k, dim=-1).indices  # [N, K]
         chosen = cand.gather(1, top)
-        self._chosen_logits = (chosen, top, logits.view(n, g, c, p))
+        if logits is not None:
+            n, c = cand.shape
+            self._chosen_logits = (chosen, top, logits.view(n, logits.shape[1], c, store.page_size))
         return chosen
 
     def take_logits(self, pages: torch.Tensor, wanted: bool = True) -> torch.Tensor | None:

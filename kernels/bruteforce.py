@@ -189,3 +189,34 @@ def streaming_pages_bruteforce(num_pages: int, k: int, sink: int) -> list[int]:
     if num_pages <= k:
         return list(range(num_pages))
     return list(range(sink)) + list(range(num_pages - (k - sink), num_pages))
+
+
+def candidate_mass_bruteforce(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    allowed: torch.Tensor,
+    pages: torch.Tensor,
+    page_size: int,
+    scaling: float,
+    forced: torch.Tensor,
+) -> torch.Tensor:
+    """Refinement's ranking key, literally: per query head the softmax over every allowed token of the candidate
+    pages, summed per page, averaged over the group; forced (+-inf) candidates keep their score. For tests.
+
+    `query [N, G, D]`, logical `keys [N, L, D]`, `allowed [N, L]` (inside the sequence, not padding), candidate
+    `pages [N, C]`, `forced [N, C]` -> `[N, C]` (fp64 inside, fp32 out).
+    """
+    n, g, _ = query.shape
+    c = pages.shape[1]
+    out = torch.zeros(n, c, dtype=torch.float64)
+    for row in range(n):
+        tokens = [int(pg) * page_size + t for pg in pages[row].tolist() for t in range(page_size)]
+        ok = torch.tensor([t < allowed.shape[1] and bool(allowed[row, t]) for t in tokens])
+        if not ok.any():
+            continue
+        k = keys[row].double()[torch.tensor(tokens).clamp(max=keys.shape[1] - 1)]  # [C*P, D]
+        for head in range(g):
+            logits = (k @ query[row, head].double()) * scaling
+            probs = torch.softmax(logits.masked_fill(~ok, NEG_INF), dim=0)
+            out[row] += probs.view(c, page_size).sum(-1) / g
+    return torch.where(torch.isinf(forced.double()), forced.double(), out).float()

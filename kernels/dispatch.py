@@ -70,5 +70,16 @@ def sparse_decode_attention(
     )
 
 
+def candidate_mass(query, k_pool, slots, pages, seq_len, scaling, forced, token_valid=None, rows_per_batch=1,
+                   backend=None):
+    """Exact attention mass of candidate pages (refinement's ranking key); see `torch_backend.candidate_mass`."""
+    if backend_for(query, backend) == "triton":
+        from .refine import candidate_mass_triton
+
+        return candidate_mass_triton(query, k_pool, slots, pages, seq_len, scaling, forced, token_valid, rows_per_batch)
+    return torch_backend.candidate_mass(query, k_pool, slots, pages, seq_len, scaling, forced, token_valid,
+                                        rows_per_batch)
+
+
 def promotion_plan(old_pages, old_slots, new_pages, backend=None):
     return torch_backend.promotion_plan(old_pages, old_slots, new_pages)

@@ -108,11 +108,75 @@ def select_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
     return torch.topk(scores, k, dim=-1, sorted=False).indices
 
 
-def past_end_table(seq_len: int, page_size: int, device) -> torch.Tensor:
-    """`[ceil(seq_len / P), P]` bool: True for the positions of each page at or past `seq_len` (only the last
-    page has any). Row `p` of it is the mask of page `p`'s tokens for a sequence of `seq_len` tokens."""
+def past_end_bias(seq_len: int, page_size: int, device, dtype=torch.float32) -> torch.Tensor:
+    """`[ceil(seq_len / P), P]`: -inf at the positions of each page at or past `seq_len` (only the last page has
+    any), 0 elsewhere. Row `p` of it, added to page `p`'s logits, masks the tokens a sequence of `seq_len` tokens
+    does not have; added inside the logits' matmul (`baddbmm`), it costs no extra op."""
     pages = -(-seq_len // page_size)
-    return (torch.arange(pages * page_size, device=device) >= seq_len).view(pages, page_size)
+    past = torch.arange(pages * page_size, device=device) >= seq_len
+    return torch.zeros(pages * page_size, device=device, dtype=dtype).masked_fill_(past, NEG_INF).view(pages, page_size)
+
+
+def masked_logits(query: torch.Tensor, keys: torch.Tensor, pages: torch.Tensor, seq_len: int, scaling: float,
+                  workspace: "GatherWorkspace | None" = None) -> torch.Tensor:
+    """`scaling * q.k` of the tokens of pages of the sequence, positions past `seq_len` at -inf, in two ops.
+
+    `query [N, G, D]`, `keys [N, M*P, D]` (the tokens of `pages [N, M]`, every entry in `[0, ceil(seq_len / P))`)
+    -> `[N, G, M*P]` in the keys' dtype: one lookup of the pages' rows of `past_end_bias` (shared by all calls of
+    one length through `workspace`) and one `baddbmm` that scales and masks as it multiplies.
+    """
+    n, m = pages.shape
+    page_size = keys.shape[1] // m
+    table = (workspace.past_end_bias(seq_len, page_size, keys.device, keys.dtype) if workspace is not None
+             else past_end_bias(seq_len, page_size, keys.device, keys.dtype))
+    bias = table.index_select(0, pages.reshape(-1)).view(n, 1, m * page_size)
+    return torch.baddbmm(bias, query.to(keys.dtype), keys.transpose(1, 2), alpha=scaling)
+
+
+def candidate_logits(query: torch.Tensor, keys: torch.Tensor, pages: torch.Tensor, seq_len: int, scaling: float,
+                     token_valid_rows: torch.Tensor | None = None, workspace: "GatherWorkspace | None" = None):
+    """fp32 logits `[N, G, C*P]` of the keys `[N, C, P, D]` of candidate pages `[N, C]` (pages of the sequence),
+    scaled, with positions past `seq_len` and padding (`token_valid_rows [N, L]`, optional) at -inf."""
+    n, c, p, d = keys.shape
+    flat = keys.view(n, c * p, d).float()
+    if token_valid_rows is None:
+        return masked_logits(query.float(), flat, pages, seq_len, scaling, workspace)
+    logits = torch.matmul(query.float(), flat.transpose(1, 2)) * scaling
+    pos = pages[:, :, None] * p + torch.arange(p, device=pages.device)  # [N, C, P]
+    ok = pos < seq_len
+    ok &= token_valid_rows.gather(1, pos.clamp(max=token_valid_rows.shape[1] - 1).view(n, -1)).view(n, c, p)
+    return logits.masked_fill(~ok.view(n, 1, c * p), NEG_INF)
+
+
+def mass_from_logits(logits: torch.Tensor, page_size: int, forced: torch.Tensor, padded: bool) -> torch.Tensor:
+    """Attention mass of each candidate page among all candidates' tokens, mean over the group, `[N, C]` fp32.
+
+    `logits [N, G, C*P]` (`candidate_logits`); candidates whose `forced` score `[N, C]` is +-inf get that score (kept
+    first / dropped last by a top-K). `padded`: a row may have no attendable token (its NaN softmax becomes 0)."""
+    probs = torch.softmax(logits, dim=-1)
+    if padded:
+        probs = probs.nan_to_num(0.0)
+    n, g, _ = logits.shape
+    mass = probs.view(n, g, -1, page_size).sum(-1).mean(1)
+    return torch.where(torch.isinf(forced), forced, mass)
+
+
+def candidate_mass(query: torch.Tensor, k_pool: torch.Tensor, slots: torch.Tensor, pages: torch.Tensor, seq_len: int,
+                   scaling: float, forced: torch.Tensor, token_valid: torch.Tensor | None = None,
+                   rows_per_batch: int = 1) -> torch.Tensor:
+    """Exact attention mass `[N, C]` of candidate pages, mean over the group (the refinement's ranking key).
+
+    The reference of the Triton kernels (`refine.candidate_mass_triton`, same contract). `query [N, G, D]`;
+    the candidates `pages [N, C]` are pages of the sequence, their keys at `slots [N, C]` of `k_pool [S, P, D]`;
+    `forced [N, C]` fp32 scores (+-inf: forced / all padding); `token_valid [B, L]` padding mask with
+    `rows_per_batch` rows per sequence. fp32 whatever the input dtype."""
+    n, c = slots.shape
+    keys = k_pool.index_select(0, slots.reshape(-1)).view(n, c, *k_pool.shape[1:])
+    rows_valid = None
+    if token_valid is not None:
+        rows_valid = token_valid.index_select(0, torch.arange(n, device=slots.device) // rows_per_batch)
+    logits = candidate_logits(query, keys, pages, seq_len, scaling, rows_valid)
+    return mass_from_logits(logits, k_pool.shape[1], forced, token_valid is not None)
 
 
 def token_mask(
@@ -168,13 +232,13 @@ class GatherWorkspace:
         torch.index_select(pool, 0, flat, out=out)
         return out
 
-    def past_end(self, seq_len: int, page_size: int, device) -> torch.Tensor:
-        """`past_end_table(seq_len, page_size, device)`, built once per length: every layer and head group of
-        one decode step shares it (only the latest length is kept)."""
-        key = ("past_end", page_size, torch.device(device), torch.is_inference_mode_enabled())
+    def past_end_bias(self, seq_len: int, page_size: int, device, dtype=torch.float32) -> torch.Tensor:
+        """`past_end_bias(seq_len, page_size, device, dtype)`, built once per length: every layer and head group
+        of one decode step shares it (only the latest length is kept)."""
+        key = ("past_end_bias", page_size, torch.device(device), dtype, torch.is_inference_mode_enabled())
         cached = self._buffers.get(key)
         if cached is None or cached[0] != seq_len:
-            cached = (seq_len, past_end_table(seq_len, page_size, device))
+            cached = (seq_len, past_end_bias(seq_len, page_size, device, dtype))
             self._buffers[key] = cached
         return cached[1]
 
@@ -220,10 +284,11 @@ def sparse_decode_attention(
         tail (`tuple`, *optional*): `(logits [N, G, T], values [N, T, Dv])`: extra softmax terms (already
             scaled, -inf to skip) standing for unselected pages (`fc_hf.selection.tail_terms`).
         in_range (`bool`, *optional*, defaults to False): the caller guarantees every `page_idx` entry is a page
-            of the sequence, in `[0, ceil(seq_len / P))` (no -1 entries). Then the mask is one lookup in a table
-            of the positions past `seq_len` (shared by all calls of one length through `workspace`), and, without
-            `token_valid`, every row has an attendable token, so no NaN from an empty row needs clearing (a NaN
-            or inf in the inputs then propagates, as in dense attention). Same result for finite inputs.
+            of the sequence, in `[0, ceil(seq_len / P))` (no -1 entries). Then, without `token_valid` and
+            `softcap`, the mask is one lookup in a bias table of the positions past `seq_len` (shared by all calls
+            of one length through `workspace`) added inside the scaled matmul (`masked_logits`), and every row has
+            an attendable token, so no NaN from an empty row needs clearing (a NaN or inf in the inputs then
+            propagates, as in dense attention). Same result for finite inputs.
         logits (`torch.Tensor` of shape `[N, G, M*P]`, *optional*): the scaled fp32 logits of exactly these pages'
             tokens, in this order, with every non-attendable position already at -inf (the ranking computed them:
             `fc_hf.selection.PageSelector` with refinement). The keys are then not read; not with `softcap`.
@@ -242,16 +307,12 @@ def sparse_decode_attention(
     else:
         keys = k_pool.index_select(0, flat) if workspace is None else workspace.gather(k_pool, flat, "k")
         keys = keys.view(n, m * page_size, dim)
-        logits = torch.matmul(query.to(keys.dtype), keys.transpose(1, 2)).float() * scaling  # [N, G, M*P]
-        if softcap is not None:
-            logits = torch.tanh(logits / softcap) * softcap
-        if in_range and token_valid is None:
-            if seq_len % page_size:  # else every page read is full: nothing to mask
-                table = (workspace.past_end(seq_len, page_size, page_idx.device) if workspace is not None
-                         else past_end_table(seq_len, page_size, page_idx.device))
-                logits = logits.masked_fill(table.index_select(0, page_idx.reshape(-1)).view(n, 1, m * page_size),
-                                            NEG_INF)
+        if in_range and token_valid is None and softcap is None:
+            logits = masked_logits(query, keys, page_idx, seq_len, scaling, workspace).float()  # [N, G, M*P]
         else:
+            logits = torch.matmul(query.to(keys.dtype), keys.transpose(1, 2)).float() * scaling
+            if softcap is not None:
+                logits = torch.tanh(logits / softcap) * softcap
             ok = token_mask(page_idx, page_size, seq_len, token_valid, rows_per_batch)
             logits = logits.masked_fill(~ok[:, None, :], NEG_INF)
     if tail is not None:

@@ -1,6 +1,7 @@
 """The decode step's cheaper paths (issue 17) give bit for bit what the general paths give.
 
-- sparse attention with `in_range=True` (mask from a shared table, no NaN clearing) equals the default path;
+- sparse attention with `in_range=True` (mask from a shared bias table added inside the scaled matmul, no NaN
+  clearing) equals the default path;
 - the Quest bound written through one buffer equals the concatenated form, signed zeros included;
 - a decode append (one token, written at its offset in the page being filled, also from a non-contiguous
   span of a batch's heads) stores what a bulk append stores;
@@ -48,11 +49,12 @@ def test_in_range_attention_is_bit_identical(seq_len, with_tail):
     assert torch.equal(other, tb.sparse_decode_attention(query, k_pool, v_pool, sl, idx, seq_len + 1, 0.25))
 
 
-def test_past_end_table():
-    t = tb.past_end_table(10, 4, "cpu")
-    assert t.shape == (3, 4)
-    assert t.sum() == 2 and t[2].tolist() == [False, False, True, True]
-    assert not tb.past_end_table(12, 4, "cpu").any()
+def test_past_end_bias():
+    t = tb.past_end_bias(10, 4, "cpu")
+    assert t.shape == (3, 4) and t.dtype == torch.float32
+    assert torch.isinf(t).sum() == 2 and t[2].tolist() == [0.0, 0.0, float("-inf"), float("-inf")]
+    assert not torch.isinf(tb.past_end_bias(12, 4, "cpu")).any()
+    assert tb.past_end_bias(10, 4, "cpu", torch.bfloat16).dtype == torch.bfloat16
 
 
 def test_quest_bound_through_one_buffer_is_bit_identical():

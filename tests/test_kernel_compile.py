@@ -23,7 +23,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
-from fc_hf.kernels import decode, score  # noqa: E402
+from fc_hf.kernels import decode, refine, score  # noqa: E402
 
 COMPILER_READY = isinstance(triton.language.sum, JITFunction)
 needs_compiler = pytest.mark.skipif(not COMPILER_READY, reason="triton imported with the interpreter on; see the fresh-process test")
@@ -117,3 +117,28 @@ def test_decode_kernels_compile_for_sm90(dtype, g, d, splits, padded, softcap):
     if constexprs["SPLIT"]:
         _, args, constexprs = decode._combine_plan(args["part_o_ptr"], args["part_lse_ptr"], out)
         _compile(decode._combine_splits_kernel, args, constexprs)
+
+
+@needs_compiler
+@pytest.mark.parametrize(
+    "dtype, g, d, page, padded",
+    [
+        pytest.param(torch.bfloat16, 4, 128, 16, True, id="bf16-G4-D128-P16-pad"),
+        pytest.param(torch.float32, 3, 64, 8, False, id="fp32-G3-D64-P8"),
+        pytest.param(torch.float16, 7, 256, 32, False, id="fp16-G7-D256-P32"),
+    ],
+)
+def test_refine_kernels_compile_for_sm90(dtype, g, d, page, padded):
+    n, slots_count, c = 16, 1025, 128
+    query = torch.empty(n, g, d, dtype=dtype)
+    pool = torch.empty(slots_count, page, d, dtype=dtype)
+    slots = torch.zeros(n, c, dtype=torch.int64)
+    pages = torch.zeros(n, c, dtype=torch.int64)
+    lse = torch.empty(n, g, c, dtype=torch.float32)
+    token_valid = torch.ones(n, 4096, dtype=torch.bool) if padded else None
+    _, args, constexprs = refine._lse_plan(query, pool, slots, pages, 4000, d**-0.5, token_valid, 1, lse)
+    _compile(refine._candidate_lse_kernel, args, constexprs)
+    forced = torch.empty(n, c, dtype=torch.float32)
+    mass = torch.empty(n, c, dtype=torch.float32)
+    _, args, constexprs = refine._mass_plan(lse, forced, mass)
+    _compile(refine._candidate_mass_kernel, args, constexprs)

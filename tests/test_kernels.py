@@ -28,6 +28,7 @@ triton = pytest.importorskip("triton")
 
 from fc_hf.kernels import decode as decode_mod  # noqa: E402
 from fc_hf.kernels import bruteforce, dispatch, torch_backend  # noqa: E402
+from fc_hf.kernels import refine as refine_mod  # noqa: E402
 from fc_hf.kernels import score as score_mod  # noqa: E402
 
 # Kernels can only be interpreted if triton's language helpers were decorated with the interpreter on.
@@ -36,10 +37,12 @@ if INTERPRET and not hasattr(decode_mod._sparse_decode_kernel, "rewriter"):
     # The kernel modules were imported before the interpreter was switched on: re-decorate them.
     score_mod = importlib.reload(score_mod)
     decode_mod = importlib.reload(decode_mod)
+    refine_mod = importlib.reload(refine_mod)
 _CHILD_ENV = "FLEXICACHE_KERNEL_TESTS_CHILD"
 
 score_pages_triton = score_mod.score_pages_triton
 sparse_decode_attention_triton = decode_mod.sparse_decode_attention_triton
+candidate_mass_triton = refine_mod.candidate_mass_triton
 
 DEVICES = [
     pytest.param(
@@ -365,6 +368,63 @@ def test_sparse_decode_rejects_bad_inputs():
         sparse_decode_attention_triton(args[0], args[1], args[2], args[3].float(), args[4].float(), *args[5:])
     with pytest.raises(ValueError, match="do not match head_dim 32"):
         sparse_decode_attention_triton(args[0][:, :, :32], *args[1:])  # head_dim mismatch
+
+
+# --------------------------------------------------------------------------------------------------
+# Refinement: exact mass of candidate pages
+# --------------------------------------------------------------------------------------------------
+
+MASS_CASES = [
+    # batch, KV heads, G, D, page size, seq_len, candidates (pages), dtype, padding
+    pytest.param(1, 1, 1, 64, 16, 37, 3, torch.float32, False, id="B1-H1-G1-D64-P16-L37-C3-fp32"),
+    pytest.param(3, 2, 3, 128, 16, 100, 5, torch.bfloat16, True, id="B3-H2-G3-D128-P16-L100-C5-pad-bf16"),
+    pytest.param(1, 2, 7, 64, 8, 150, 12, torch.float16, False, id="B1-H2-G7-D64-P8-L150-C12-fp16"),
+    pytest.param(3, 1, 4, 64, 5, 23, 4, torch.float32, True, id="B3-H1-G4-D64-P5-L23-C4-pad-fp32"),
+    pytest.param(1, 3, 3, 64, 16, 700, 20, torch.float32, False, id="B1-H3-G3-D64-P16-L700-C20-fp32"),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("batch, kv_heads, g, d, page_size, seq_len, cands, dtype, padding", MASS_CASES)
+def test_candidate_mass_matches_reference_and_bruteforce(device, batch, kv_heads, g, d, page_size, seq_len, cands,
+                                                         dtype, padding):
+    """Refinement's two kernels against the PyTorch reference and the literal formula, forced candidates included."""
+    case = DecodeCase(batch, kv_heads, g, d, page_size, seq_len, cands, dtype, padding, unused=0)
+    gen = torch.Generator().manual_seed(7)
+    forced = torch.randn(case.n, case.page_idx.shape[1], generator=gen)
+    forced[:, 0] = float("inf")  # a forced page (e.g. the sink) and an all-padding one
+    forced[:, -1] = float("-inf")
+    query, k_pool, _, slots, pages, _, scaling, tv, rpb = case.args(device)
+    out = candidate_mass_triton(query, k_pool, slots, pages, seq_len, scaling, forced.to(device), tv, rpb)
+    assert out.shape == pages.shape and out.dtype == torch.float32 and out.device.type == device
+    out = out.cpu()
+    ref = torch_backend.candidate_mass(*[a.cpu() if torch.is_tensor(a) else a for a in (query, k_pool, slots, pages)],
+                                       seq_len, scaling, forced, case.token_valid, rpb)
+    allowed = torch.arange(case.num_pages * page_size) < seq_len
+    allowed = allowed.expand(case.n, -1).clone()
+    if case.token_valid is not None:
+        tv_rows = case.token_valid[torch.arange(case.n) // rpb]
+        allowed[:, :seq_len] &= tv_rows
+    brute = bruteforce.candidate_mass_bruteforce(case.query, case.keys, allowed, case.page_idx, page_size, scaling,
+                                                 forced)
+    inf = torch.isinf(brute)
+    assert torch.equal(out[inf], brute[inf]) and torch.equal(ref[inf], brute[inf])
+    # Masses are fp32 sums of fp32 softmax terms whatever the KV dtype: both within fp32 rounding of the truth.
+    torch.testing.assert_close(out[~inf], brute[~inf], rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(ref[~inf], brute[~inf], rtol=1e-4, atol=1e-6)
+    if padding and batch > 1:  # the fully padded sequence: no token, mass 0 (not NaN) outside forced entries
+        last = slice((batch - 1) * kv_heads, batch * kv_heads)
+        assert (out[last][~inf[last]] == 0).all()
+
+
+def test_candidate_mass_rejects_bad_inputs():
+    q = torch.randn(2, 3, 16)
+    pool = torch.randn(5, 4, 16)
+    slots = torch.ones(2, 3, dtype=torch.long)
+    with pytest.raises(ValueError, match="forced"):
+        candidate_mass_triton(q, pool, slots, slots, 10, 1.0, torch.zeros(2, 3, dtype=torch.float64))
+    with pytest.raises(ValueError, match="slots/pages"):
+        candidate_mass_triton(q, pool, slots, slots[:, :2], 10, 1.0, torch.zeros(2, 3))
 
 
 @pytest.mark.parametrize("device", DEVICES)
