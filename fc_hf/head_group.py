@@ -182,8 +182,9 @@ class HeadGroup:
         scaling: float,
         softcap: float | None,
         check: bool,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Sparse decode attention for this group. `query [N, G, D]` -> `[N, G, D]`."""
+        """Sparse decode attention for this group. `query [N, G, D]` -> `[N, G, Dv]` (written into `out` if given)."""
         store = self.store
         pages = self.pages_for_step(step, query, page_valid, scaling, token_valid)
         # A refined ranking at this step already scored these keys. Not re-used under a softcap (the capped logits are
@@ -203,7 +204,7 @@ class HeadGroup:
                 query, store.k_pool, store.v_pool, slots, pages, store.length, scaling,
                 token_valid, len(self.heads), softcap, backend=self.cfg.backend, workspace=self.workspace, tail=tail,
                 in_range=True,  # every page read is a page of the sequence: never -1, never past its end
-                logits=logits,
+                logits=logits, out=out,
             )
         if self.pending is not None:
             # Deferred promotion: start the copies now, so they overlap the rest of the step.

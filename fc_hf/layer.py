@@ -126,7 +126,7 @@ class FlexiCacheLayer(CacheLayerMixin):
         if len(self.groups) == 1:  # one group holds every head, in order: nothing to pick
             self.groups[0].store.append(key_states, value_states)
         else:  # the heads in group order once, then each group takes its span (a view)
-            perm, spans = self._head_order()
+            perm, spans, _ = self._head_order()
             kp = key_states if perm is None else key_states.index_select(1, perm)
             vp = value_states if perm is None else value_states.index_select(1, perm)
             for group, (lo, hi) in zip(self.groups, spans):
@@ -147,8 +147,9 @@ class FlexiCacheLayer(CacheLayerMixin):
             _placeholder(self, b, h, self.length, self.value_dim, value_states),
         )
 
-    def _head_order(self) -> tuple[torch.Tensor | None, list[tuple[int, int]]]:
-        """`(perm, spans)`: the KV heads in group order (None when that is 0..H-1) and each group's span in it."""
+    def _head_order(self) -> tuple[torch.Tensor | None, list[tuple[int, int]], torch.Tensor | None]:
+        """`(perm, spans, inverse)`: the KV heads in group order (None when that is 0..H-1), each group's span in
+        it, and the inverse permutation (group order back to head order; None with perm)."""
         memo = getattr(self, "_order_memo", None)
         if memo is None or memo[0] is not self.groups:
             order = [h for g in self.groups for h in g.heads]
@@ -156,10 +157,13 @@ class FlexiCacheLayer(CacheLayerMixin):
             for g in self.groups:
                 spans.append((lo, lo + len(g.heads)))
                 lo += len(g.heads)
-            perm = None if order == list(range(self.num_kv_heads)) else torch.tensor(order, device=self.device)
-            memo = (self.groups, perm, spans)
+            perm = inverse = None
+            if order != list(range(self.num_kv_heads)):
+                perm = torch.tensor(order, device=self.device)
+                inverse = torch.tensor(sorted(range(len(order)), key=order.__getitem__), device=self.device)
+            memo = (self.groups, perm, spans, inverse)
             self._order_memo = memo
-        return memo[1], memo[2]
+        return memo[1], memo[2], memo[3]
 
     def _check_same_kind(self, key_states: torch.Tensor) -> None:
         if key_states.device != self.device or key_states.dtype != self.dtype:
@@ -226,28 +230,34 @@ class FlexiCacheLayer(CacheLayerMixin):
         groups = hq // self.num_kv_heads
         q = query.view(b, self.num_kv_heads, groups, d)
         token_valid, page_valid_full = self.owner.padding_info(attention_mask, self.length, self.cfg.page_size)
-        out = None
         check = self.owner.residency_check_for(self.device)
-        if b == 1 and len(self.groups) > 1:  # one pick of the heads in group order; each group's span is a view
-            perm, spans = self._head_order()
+        if b == 1 and len(self.groups) > 1:
+            # One pick of the heads in group order; each group reads its span of it (a view) and writes its output
+            # into its span of one buffer in that order, which one pick puts back in head order.
+            perm, spans, inverse = self._head_order()
             q_ordered = q if perm is None else q.index_select(1, perm)
-            group_queries = [q_ordered[:, lo:hi] for lo, hi in spans]
+            ordered = query.new_empty(self.num_kv_heads, groups, self.value_dim)
+            for group, (lo, hi) in zip(self.groups, spans):
+                qg = q_ordered[0, lo:hi]
+                page_valid = None if page_valid_full is None else page_valid_full.expand(hi - lo, -1)
+                group.attend(qg, self.steps, token_valid, page_valid, scaling, softcap, check, out=ordered[lo:hi])
+            out = ordered if inverse is None else ordered.index_select(0, inverse)
         else:
-            group_queries = [q if len(g.heads) == self.num_kv_heads else q.index_select(1, g.head_index)
-                             for g in self.groups]
-        for group, qg in zip(self.groups, group_queries):
-            hg = len(group.heads)
-            qg = qg.reshape(b * hg, groups, d)
-            page_valid = None
-            if page_valid_full is not None:
-                page_valid = page_valid_full[:, None, :].expand(b, hg, -1).reshape(b * hg, -1)
-            og = group.attend(qg, self.steps, token_valid, page_valid, scaling, softcap, check)
-            if hg == self.num_kv_heads:  # one group holds every head, in order: its output is the layer's
-                out = og.view(b, hg, groups, self.value_dim)
-            else:
-                if out is None:
-                    out = query.new_empty(b, self.num_kv_heads, groups, self.value_dim)
-                out.index_copy_(1, group.head_index, og.view(b, hg, groups, self.value_dim))
+            out = None
+            for group in self.groups:
+                hg = len(group.heads)
+                qg = q if hg == self.num_kv_heads else q.index_select(1, group.head_index)
+                qg = qg.reshape(b * hg, groups, d)
+                page_valid = None
+                if page_valid_full is not None:
+                    page_valid = page_valid_full[:, None, :].expand(b, hg, -1).reshape(b * hg, -1)
+                og = group.attend(qg, self.steps, token_valid, page_valid, scaling, softcap, check)
+                if hg == self.num_kv_heads:  # one group holds every head, in order: its output is the layer's
+                    out = og.view(b, hg, groups, self.value_dim)
+                else:
+                    if out is None:
+                        out = query.new_empty(b, self.num_kv_heads, groups, self.value_dim)
+                    out.index_copy_(1, group.head_index, og.view(b, hg, groups, self.value_dim))
         auto = self.owner.auto
         if auto is not None and self.regrouped_after_step is None:  # warm-up: one group, every head unstable
             warm = self.groups[0]

@@ -144,14 +144,8 @@ class PageSelector:
         (The fused Quest kernel already puts the page being filled at +inf; `scores()` forces it on the other paths.)
         """
         s = self.subpages
-        if self._kernel_scored():  # the kernel path (Triton on CUDA): one launch over every MinMax entry
-            if s == 1:
-                return kernels.score_pages(query, meta, num_pages, page_valid, backend=self.cfg.backend)
-            # Max over sub-pages commutes with the group max; the kernel's +inf on the last entry (a sub-page of the
-            # page being filled) forces that page, and an invalid page's sub-pages are all -inf.
-            valid = None if page_valid is None else page_valid.repeat_interleave(s, dim=1)
-            entries = kernels.score_pages(query, meta, num_pages * s, valid, backend=self.cfg.backend)
-            return entries.view(entries.shape[0], num_pages, s).amax(dim=-1)
+        if self._kernel_scored():  # Triton on CUDA, else the PyTorch backend: the group and sub-page max in one go
+            return kernels.score_pages(query, meta, num_pages, page_valid, backend=self.cfg.backend, subpages=s)
         bounds = head_bounds(query, meta, num_pages * s)
         if s > 1:  # a sub-page not yet written (in the page being filled) is all zeros; that page is forced anyway
             bounds = bounds.view(*bounds.shape[:2], num_pages, s).amax(dim=-1)
@@ -193,8 +187,8 @@ class PageSelector:
 
     def _refine(self, query, store, scores, scaling, token_valid_rows):
         """Top-C candidates by score, then the K with the most exact attention mass among them (forced pages kept)."""
-        cand = kernels.select_topk(scores, min(self.refine, scores.shape[-1]))  # [N, C]
-        cand_scores = scores.gather(1, cand)  # +inf: forced, kept first; -inf: all padding, kept last
+        # The candidates [N, C] and their scores (+inf: forced, kept first; -inf: all padding, kept last) in one op.
+        cand_scores, cand = torch.topk(scores, min(self.refine, scores.shape[-1]), dim=-1, sorted=False)
         logits = None
         if kernels.backend_for(query, self.cfg.backend) == "triton":
             # Two launches read the candidates' keys in place and give their masses (kernels/refine.py).

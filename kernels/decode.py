@@ -287,6 +287,7 @@ def sparse_decode_attention_triton(
     softcap: float | None = None,
     *,
     num_splits: int | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode attention of each row's query heads over the tokens of its selected pages (flash-decoding).
 
@@ -306,6 +307,7 @@ def sparse_decode_attention_triton(
         rows_per_batch (`int`): rows per sequence, to map a row to its padding-mask row.
         softcap (`float`, *optional*): logit soft-capping (Gemma-2 style), `tanh(s / c) * c`.
         num_splits (`int`, *optional*): splits of each row's pages (default: enough programs to fill the device).
+        out (`torch.Tensor` of shape `[N, G, Dv]`, *optional*): written with the result (any strides) and returned.
 
     Returns:
         `torch.Tensor` of shape `[N, G, D]` in the query's dtype.
@@ -320,7 +322,11 @@ def sparse_decode_attention_triton(
     """
     _check_inputs(query, k_pool, v_pool, slots, page_idx, token_valid, rows_per_batch)
     n, g, _ = query.shape
-    out = torch.empty(n, g, v_pool.shape[2], device=query.device, dtype=query.dtype)
+    if out is None:
+        out = torch.empty(n, g, v_pool.shape[2], device=query.device, dtype=query.dtype)
+    elif out.shape != (n, g, v_pool.shape[2]) or out.dtype != query.dtype or out.device != query.device:
+        raise ValueError(f"out must be [N, G, Dv]={(n, g, v_pool.shape[2])} {query.dtype} on {query.device}, got "
+                         f"{tuple(out.shape)} {out.dtype} on {out.device}")
     if n == 0:
         return out
     if slots.shape[1] == 0:

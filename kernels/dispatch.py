@@ -29,12 +29,19 @@ def _triton_available() -> bool:
     return True
 
 
-def score_pages(query, meta, num_pages, page_valid=None, backend=None):
+def score_pages(query, meta, num_pages, page_valid=None, backend=None, subpages=1):
+    """Quest bound of every page, max over the group (and over its `subpages` MinMax entries); last page +inf."""
     if backend_for(query, backend) == "triton":
         from .score import score_pages_triton
 
-        return score_pages_triton(query, meta, num_pages, page_valid)
-    return torch_backend.score_pages(query, meta, num_pages, page_valid)
+        if subpages == 1:
+            return score_pages_triton(query, meta, num_pages, page_valid)
+        # The kernel scores every entry; the max over sub-pages commutes with the group max, its +inf on the last
+        # entry (a sub-page of the page being filled) forces that page, and an invalid page's entries are all -inf.
+        valid = None if page_valid is None else page_valid.repeat_interleave(subpages, dim=1)
+        entries = score_pages_triton(query, meta, num_pages * subpages, valid)
+        return entries.view(entries.shape[0], num_pages, subpages).amax(dim=-1)
+    return torch_backend.score_pages(query, meta, num_pages, page_valid, subpages)
 
 
 def force_sink_pages(scores, sink_pages, page_valid=None, backend=None):
@@ -49,7 +56,7 @@ def select_topk(scores, k, backend=None):
 
 def sparse_decode_attention(
     query, k_pool, v_pool, slots, page_idx, seq_len, scaling, token_valid=None, rows_per_batch=1, softcap=None,
-    backend=None, workspace=None, tail=None, in_range=False, logits=None,
+    backend=None, workspace=None, tail=None, in_range=False, logits=None, out=None,
 ):
     """Sparse paged decode attention; `workspace` (a `GatherWorkspace`) is used by the PyTorch backend only.
 
@@ -57,16 +64,17 @@ def sparse_decode_attention(
     on every device: the Triton kernel has no extra softmax terms. `in_range` (every page index is a page of the
     sequence) lets the PyTorch backend mask with one table lookup; the Triton kernel masks in-kernel anyway.
     `logits` (the ranking's own logits of these pages) is for the PyTorch backend: it reads only the values.
+    `out` (`[N, G, Dv]`, the query's dtype), if given, receives the result on either backend.
     """
     if tail is None and logits is None and backend_for(query, backend) == "triton":
         from .decode import sparse_decode_attention_triton
 
         return sparse_decode_attention_triton(
-            query, k_pool, v_pool, slots, page_idx, seq_len, scaling, token_valid, rows_per_batch, softcap
+            query, k_pool, v_pool, slots, page_idx, seq_len, scaling, token_valid, rows_per_batch, softcap, out=out
         )
     return torch_backend.sparse_decode_attention(
         query, k_pool, v_pool, slots, page_idx, seq_len, scaling, token_valid, rows_per_batch, softcap, workspace, tail,
-        in_range, logits,
+        in_range, logits, out,
     )
 
 

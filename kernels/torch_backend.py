@@ -47,6 +47,7 @@ def score_pages(
     meta: torch.Tensor,
     num_pages: int,
     page_valid: torch.Tensor | None = None,
+    subpages: int = 1,
 ) -> torch.Tensor:
     """Quest upper bound of `q . k` over each page, max-reduced over each GQA group.
 
@@ -61,11 +62,17 @@ def score_pages(
         num_pages (`int`): pages that exist (the last one may be partially filled).
         page_valid (`torch.Tensor` of shape `[N, num_pages]`, *optional*): False for pages that hold
             no attendable token.
+        subpages (`int`, *optional*, defaults to 1): MinMax entries per page (`meta` holds `S` per page); a page's
+            bound is the max of its sub-pages' (one reduction over the group and the sub-pages together).
 
     Returns:
         `torch.Tensor` of shape `[N, num_pages]`, fp32.
     """
-    scores = bounds_per_head(query, meta, num_pages).amax(dim=1)  # [N, Np]
+    bounds = bounds_per_head(query, meta, num_pages * subpages)  # [N, G, Np*S]
+    if subpages == 1:
+        scores = bounds.amax(dim=1)  # [N, Np]
+    else:
+        scores = bounds.view(*bounds.shape[:2], num_pages, subpages).amax(dim=(1, 3))
     if page_valid is not None:
         scores = scores.masked_fill(~page_valid, NEG_INF)
     scores[:, num_pages - 1] = POS_INF
@@ -264,6 +271,7 @@ def sparse_decode_attention(
     tail: tuple[torch.Tensor, torch.Tensor] | None = None,
     in_range: bool = False,
     logits: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode attention of each row's query heads over the tokens of its selected pages.
 
@@ -292,6 +300,8 @@ def sparse_decode_attention(
         logits (`torch.Tensor` of shape `[N, G, M*P]`, *optional*): the scaled fp32 logits of exactly these pages'
             tokens, in this order, with every non-attendable position already at -inf (the ranking computed them:
             `fc_hf.selection.PageSelector` with refinement). The keys are then not read; not with `softcap`.
+        out (`torch.Tensor` of shape `[N, G, Dv]`, *optional*): written with the result (e.g. a span of a layer's
+            output, so the caller need not copy it there) and returned.
 
     Returns:
         `torch.Tensor` of shape `[N, G, D]` in the query's dtype.
@@ -322,8 +332,11 @@ def sparse_decode_attention(
     if not (in_range and token_valid is None):
         # A row with no attendable token (a fully padded sequence) gets zeros, not NaN.
         probs = torch.nan_to_num(probs, nan=0.0)
-    out = torch.matmul(probs.to(values.dtype), values)
-    return out.to(query.dtype)
+    if out is None:
+        return torch.matmul(probs.to(values.dtype), values).to(query.dtype)
+    if out.dtype == values.dtype:
+        return torch.matmul(probs.to(values.dtype), values, out=out)
+    return out.copy_(torch.matmul(probs.to(values.dtype), values))
 
 
 def promotion_plan(

@@ -49,6 +49,25 @@ def test_in_range_attention_is_bit_identical(seq_len, with_tail):
     assert torch.equal(other, tb.sparse_decode_attention(query, k_pool, v_pool, sl, idx, seq_len + 1, 0.25))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attention_into_a_given_span_is_bit_identical(dtype):
+    """`out=` (a span of a layer's output buffer) receives exactly what the attention returns without it."""
+    g = torch.Generator().manual_seed(3)
+    n, groups, d, p, pages = 3, 2, 16, 8, 6
+    k_pool = torch.randn(n * pages + 1, p, d, generator=g).to(dtype)
+    v_pool = torch.randn(n * pages + 1, p, d, generator=g).to(dtype)
+    query = torch.randn(n, groups, d, generator=g).to(dtype)
+    idx = torch.arange(pages).expand(n, pages)
+    slots = 1 + torch.arange(n * pages).view(n, pages)
+    ref = tb.sparse_decode_attention(query, k_pool, v_pool, slots, idx, pages * p - 3, 0.25, in_range=True)
+    buffer = torch.full((n + 2, groups, d), float("nan"), dtype=dtype)
+    got = tb.sparse_decode_attention(query, k_pool, v_pool, slots, idx, pages * p - 3, 0.25, in_range=True,
+                                     out=buffer[1 : n + 1])
+    assert got.data_ptr() == buffer[1].data_ptr()
+    assert torch.equal(_bits(buffer[1 : n + 1]), _bits(ref))
+    assert torch.isnan(buffer[0]).all() and torch.isnan(buffer[n + 1]).all()
+
+
 def test_past_end_bias():
     t = tb.past_end_bias(10, 4, "cpu")
     assert t.shape == (3, 4) and t.dtype == torch.float32

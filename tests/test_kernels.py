@@ -299,6 +299,21 @@ def test_sparse_decode_matches_reference_and_bruteforce(
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("num_splits", [1, 3], ids=["split1", "split3"])
+def test_sparse_decode_writes_into_a_given_span(device, num_splits):
+    """`out=`: the result lands in a span of a larger buffer (as a layer's output), nothing else is touched."""
+    case = DecodeCase(1, 3, 3, 64, 16, 150, 4, torch.float32, False, unused=0)
+    expected = sparse_decode_attention_triton(*case.args(device), num_splits=num_splits)
+    buffer = torch.full((case.n + 2, 3, 64), float("nan"), device=device)
+    got = sparse_decode_attention_triton(*case.args(device), num_splits=num_splits, out=buffer[1 : case.n + 1])
+    assert got.data_ptr() == buffer[1].data_ptr()
+    assert torch.equal(buffer[1 : case.n + 1], expected)
+    assert torch.isnan(buffer[0]).all() and torch.isnan(buffer[-1]).all()
+    with pytest.raises(ValueError, match="out must be"):
+        sparse_decode_attention_triton(*case.args(device), out=buffer[: case.n].double())
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64], ids=["i32", "i64"])
 def test_sparse_decode_all_pages_equals_dense(device, index_dtype):
     """With every page selected the result is dense attention over the whole (padded) sequence."""

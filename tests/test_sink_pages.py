@@ -34,8 +34,8 @@ def test_ranked_heads_always_hold_the_sink_page(profile_unstable, monkeypatch):
 
     real = kernels.score_pages
 
-    def page0_worst(q, meta, num_pages, page_valid=None, backend=None):
-        s = real(q, meta, num_pages, page_valid, backend=backend)
+    def page0_worst(q, meta, num_pages, page_valid=None, backend=None, subpages=1):
+        s = real(q, meta, num_pages, page_valid, backend=backend, subpages=subpages)
         s[:, 0] = -1e30
         return s
 
