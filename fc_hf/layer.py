@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
+from . import kernels
 from .errors import FlexiCacheError
 from .head_group import STABLE, STREAMING, UNSTABLE, HeadGroup
 
@@ -123,14 +124,18 @@ class FlexiCacheLayer(CacheLayerMixin):
             found = auto.decide(self.steps)  # the first layer classifies; None: postponed
             if found is not None:
                 self.regroup(auto.unstable_in(self.layer_idx))
+        backend = self.cfg.backend
         if len(self.groups) == 1:  # one group holds every head, in order: nothing to pick
-            self.groups[0].store.append(key_states, value_states)
+            self.groups[0].store.append(key_states, value_states, backend=backend)
+        elif t == 1 and kernels.backend_for(key_states, backend) == "triton":
+            for group in self.groups:  # one launch per group picks its heads and writes K and V
+                group.store.append(key_states, value_states, heads=group.head_index, backend=backend)
         else:  # the heads in group order once, then each group takes its span (a view)
             perm, spans, _ = self._head_order()
             kp = key_states if perm is None else key_states.index_select(1, perm)
             vp = value_states if perm is None else value_states.index_select(1, perm)
             for group, (lo, hi) in zip(self.groups, spans):
-                group.store.append(kp[:, lo:hi], vp[:, lo:hi])
+                group.store.append(kp[:, lo:hi], vp[:, lo:hi], backend=backend)
         self.length += t
         if t > 1 or self.length == 1:
             if auto is not None and auto.observing and t > 1:

@@ -25,6 +25,7 @@ import math
 
 import torch
 
+from . import kernels
 from .errors import FlexiCacheError
 from .transfer import PageTransfers
 
@@ -190,9 +191,15 @@ class PagedKV:
         self.n_free = spare
 
     # -- writing ---------------------------------------------------------------------------------
-    def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Append `[B, heads, T, D]` keys/values for every row."""
+    def append(self, keys: torch.Tensor, values: torch.Tensor, heads: torch.Tensor | None = None,
+               backend: str | None = None) -> None:
+        """Append `[B, heads, T, D]` keys/values for every row.
+
+        With `heads` (`[heads]`), `keys`/`values` hold every KV head of the layer (`[B, H, T, D]`) and this store's
+        are taken from them (at a decode step in the append itself: one Triton launch on that backend)."""
         t = keys.shape[2]
+        if heads is not None and t > 1:
+            keys, values, heads = keys.index_select(1, heads), values.index_select(1, heads), None
         start = self.length
         old_pages, old_full = self.num_pages, self.full_pages
         new_pages = math.ceil((start + t) / self.page_size)
@@ -203,12 +210,8 @@ class PagedKV:
             self.table_changed()
         if t == 1:  # a decode step: one token per row, into the page being filled at offset `off`
             page, off = divmod(start, self.page_size)
-            slots = self._page_slots(page)
-            for pool, src in ((self.k_pool, keys), (self.v_pool, values)):
-                if src.is_contiguous():
-                    pool.select(1, off).index_copy_(0, slots, src.view(-1, src.shape[-1]))
-                else:  # a span of a batch's heads: written as it lies, without a copy into rows first
-                    pool.select(1, off).index_put_((slots.view(src.shape[0], src.shape[1]),), src.select(2, 0))
+            kernels.append_token(keys.select(2, 0), values.select(2, 0), heads, self._page_slots(page), self.k_pool,
+                                 self.v_pool, off, backend=backend)
         else:
             pos = torch.arange(start, start + t, device=self.device)
             flat = self.table[:, pos // self.page_size] * self.page_size + (pos % self.page_size)  # [N, T]

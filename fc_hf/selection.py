@@ -141,11 +141,14 @@ class PageSelector:
     ) -> torch.Tensor:
         """Scores `[N, Np]` (fp32) of every page from `meta [N, >= Np*S, 2D]`; `scores()` applies the forcing.
 
-        (The fused Quest kernel already puts the page being filled at +inf; `scores()` forces it on the other paths.)
+        (The Quest scoring already puts the page being filled and, without padding, the sink at +inf; `scores()`
+        forces them on the other paths.)
         """
         s = self.subpages
-        if self._kernel_scored():  # Triton on CUDA, else the PyTorch backend: the group and sub-page max in one go
-            return kernels.score_pages(query, meta, num_pages, page_valid, backend=self.cfg.backend, subpages=s)
+        if self._kernel_scored():  # one launch on Triton: the group and sub-page max, the forced pages
+            sink = self.cfg.sink_pages if page_valid is None else 0
+            return kernels.score_pages(query, meta, num_pages, page_valid, backend=self.cfg.backend, subpages=s,
+                                       sink_pages=sink)
         bounds = head_bounds(query, meta, num_pages * s)
         if s > 1:  # a sub-page not yet written (in the page being filled) is all zeros; that page is forced anyway
             bounds = bounds.view(*bounds.shape[:2], num_pages, s).amax(dim=-1)
@@ -166,7 +169,9 @@ class PageSelector:
         else:
             scores = self.page_scores(query, store.meta, num_pages, page_valid, scaling)
         force_recent_pages(scores, self.recent)
-        if not self._kernel_scored():  # the Quest kernel has put the page being filled at +inf already
+        if self._kernel_scored() and page_valid is None:  # the Quest scoring has forced the last page and the sink
+            return scores
+        if not self._kernel_scored():
             scores[:, num_pages - 1] = POS_INF  # the page being filled
         return kernels.force_sink_pages(scores, self.cfg.sink_pages, page_valid)
 

@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .torch_backend import FLOAT_DTYPES, INDEX_DTYPES
+
 _LOG2E = 1.4426950408889634
 
 
@@ -166,10 +168,6 @@ def _combine_splits_kernel(
     tl.store(out_ptr + row * stride_on + g * stride_og + offs_dv * stride_od, res.to(out_ptr.dtype.element_ty), mask=dv_ok)
 
 
-_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-_INDEX_DTYPES = (torch.int32, torch.int64)
-
-
 def _block_sizes(page_size: int, head_dim: int) -> tuple[int, int]:
     """(PAGE_PAD, PAGES_PER_BLOCK): tokens per loop iteration = PAGE_PAD * PAGES_PER_BLOCK."""
     page_pad = triton.next_power_of_2(page_size)
@@ -200,10 +198,10 @@ def _check_inputs(query, k_pool, v_pool, slots, page_idx, token_valid, rows_per_
         raise ValueError(f"pool shapes {tuple(k_pool.shape)}/{tuple(v_pool.shape)} do not match head_dim {d}")
     if slots.shape != page_idx.shape or slots.dim() != 2 or slots.shape[0] != n:
         raise ValueError(f"slots/page_idx must both be [N={n}, M], got {tuple(slots.shape)}/{tuple(page_idx.shape)}")
-    if slots.dtype not in _INDEX_DTYPES or page_idx.dtype not in _INDEX_DTYPES:
+    if slots.dtype not in INDEX_DTYPES or page_idx.dtype not in INDEX_DTYPES:
         raise TypeError("slots and page_idx must be int32 or int64")
     for name, t in (("query", query), ("k_pool", k_pool), ("v_pool", v_pool)):
-        if t.dtype not in _FLOAT_DTYPES:
+        if t.dtype not in FLOAT_DTYPES:
             raise TypeError(f"{name} must be fp16, bf16 or fp32, got {t.dtype}")
     if k_pool.dtype != v_pool.dtype:
         raise TypeError(f"k_pool and v_pool dtypes differ: {k_pool.dtype} vs {v_pool.dtype}")

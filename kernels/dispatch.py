@@ -29,19 +29,23 @@ def _triton_available() -> bool:
     return True
 
 
-def score_pages(query, meta, num_pages, page_valid=None, backend=None, subpages=1):
-    """Quest bound of every page, max over the group (and over its `subpages` MinMax entries); last page +inf."""
+def score_pages(query, meta, num_pages, page_valid=None, backend=None, subpages=1, sink_pages=0):
+    """Quest bound of every page, max over the group and its `subpages` MinMax entries; the last page and (without
+    `page_valid`) the first `sink_pages` pages at +inf. One launch on Triton."""
     if backend_for(query, backend) == "triton":
         from .score import score_pages_triton
 
-        if subpages == 1:
-            return score_pages_triton(query, meta, num_pages, page_valid)
-        # The kernel scores every entry; the max over sub-pages commutes with the group max, its +inf on the last
-        # entry (a sub-page of the page being filled) forces that page, and an invalid page's entries are all -inf.
-        valid = None if page_valid is None else page_valid.repeat_interleave(subpages, dim=1)
-        entries = score_pages_triton(query, meta, num_pages * subpages, valid)
-        return entries.view(entries.shape[0], num_pages, subpages).amax(dim=-1)
-    return torch_backend.score_pages(query, meta, num_pages, page_valid, subpages)
+        return score_pages_triton(query, meta, num_pages, page_valid, subpages, sink_pages)
+    return torch_backend.score_pages(query, meta, num_pages, page_valid, subpages, sink_pages)
+
+
+def append_token(keys, values, heads, slots, k_pool, v_pool, offset, backend=None):
+    """One decode token per row into the pools; see `torch_backend.append_token`."""
+    if backend_for(keys, backend) == "triton":
+        from .append import append_token_triton
+
+        return append_token_triton(keys, values, heads, slots, k_pool, v_pool, offset)
+    return torch_backend.append_token(keys, values, heads, slots, k_pool, v_pool, offset)
 
 
 def force_sink_pages(scores, sink_pages, page_valid=None, backend=None):

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .decode import _FLOAT_DTYPES, _INDEX_DTYPES
+from .torch_backend import FLOAT_DTYPES, INDEX_DTYPES
 
 # Candidate pages per program of the first kernel (one page per loop iteration).
 _PAGES_PER_PROGRAM = 8
@@ -123,9 +123,9 @@ def _check_inputs(query, k_pool, slots, pages, forced, token_valid, rows_per_bat
         raise ValueError(f"slots/pages must both be [N={n}, C], got {tuple(slots.shape)}/{tuple(pages.shape)}")
     if forced.shape != slots.shape or forced.dtype != torch.float32:
         raise ValueError(f"forced must be fp32 [N, C]={tuple(slots.shape)}, got {forced.dtype} {tuple(forced.shape)}")
-    if slots.dtype not in _INDEX_DTYPES or pages.dtype not in _INDEX_DTYPES:
+    if slots.dtype not in INDEX_DTYPES or pages.dtype not in INDEX_DTYPES:
         raise TypeError("slots and pages must be int32 or int64")
-    if query.dtype not in _FLOAT_DTYPES or k_pool.dtype not in _FLOAT_DTYPES:
+    if query.dtype not in FLOAT_DTYPES or k_pool.dtype not in FLOAT_DTYPES:
         raise TypeError(f"query/k_pool must be fp16, bf16 or fp32, got {query.dtype}/{k_pool.dtype}")
     if rows_per_batch < 1:
         raise ValueError("rows_per_batch must be >= 1")

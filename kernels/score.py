@@ -10,16 +10,19 @@ import torch
 import triton
 import triton.language as tl
 
+from .torch_backend import FLOAT_DTYPES
+
 
 @triton.jit
 def _score_pages_kernel(
     q_ptr, meta_ptr, valid_ptr, out_ptr,
-    num_pages, head_dim,
+    num_pages, head_dim, sink_pages,
     stride_qn, stride_qg, stride_qd,
     stride_mn, stride_mp, stride_md,
     stride_vn, stride_vp,
     stride_on, stride_op,
     G: tl.constexpr,
+    SUBPAGES: tl.constexpr,
     HAS_VALID: tl.constexpr,
     BLOCK_P: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -29,39 +32,39 @@ def _score_pages_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     p_ok = offs_p < num_pages
     q_row = q_ptr + row * stride_qn
-    m_row = meta_ptr + row * stride_mn + offs_p[:, None] * stride_mp
     best = tl.full([BLOCK_P], float("-inf"), tl.float32)
     # The meta tile is re-read once per query head of the group; after the first head it comes from cache.
+    # A page's bound is the max over its SUBPAGES MinMax entries (page p holds entries p*S .. p*S + S-1).
     for g in range(G):
-        s = tl.zeros([BLOCK_P], tl.float32)
-        for d0 in range(0, head_dim, BLOCK_D):
-            d = d0 + offs_d
-            d_ok = d < head_dim
-            q = tl.load(q_row + g * stride_qg + d * stride_qd, mask=d_ok, other=0.0).to(tl.float32)
-            tile_ok = p_ok[:, None] & d_ok[None, :]
-            kmax = tl.load(m_row + d[None, :] * stride_md, mask=tile_ok, other=0.0).to(tl.float32)
-            kmin = tl.load(m_row + (d[None, :] + head_dim) * stride_md, mask=tile_ok, other=0.0).to(tl.float32)
-            # sum_i max(q_i kmin_i, q_i kmax_i) == relu(q).kmax + min(q, 0).kmin
-            s += tl.sum(tl.maximum(q, 0.0)[None, :] * kmax + tl.minimum(q, 0.0)[None, :] * kmin, axis=1)
-        best = tl.maximum(best, s)
+        for sub in range(SUBPAGES):
+            m_row = meta_ptr + row * stride_mn + (offs_p * SUBPAGES + sub)[:, None] * stride_mp
+            s = tl.zeros([BLOCK_P], tl.float32)
+            for d0 in range(0, head_dim, BLOCK_D):
+                d = d0 + offs_d
+                d_ok = d < head_dim
+                q = tl.load(q_row + g * stride_qg + d * stride_qd, mask=d_ok, other=0.0).to(tl.float32)
+                tile_ok = p_ok[:, None] & d_ok[None, :]
+                kmax = tl.load(m_row + d[None, :] * stride_md, mask=tile_ok, other=0.0).to(tl.float32)
+                kmin = tl.load(m_row + (d[None, :] + head_dim) * stride_md, mask=tile_ok, other=0.0).to(tl.float32)
+                # sum_i max(q_i kmin_i, q_i kmax_i) == relu(q).kmax + min(q, 0).kmin
+                s += tl.sum(tl.maximum(q, 0.0)[None, :] * kmax + tl.minimum(q, 0.0)[None, :] * kmin, axis=1)
+            best = tl.maximum(best, s)
     if HAS_VALID:
         ok = tl.load(valid_ptr + row * stride_vn + offs_p * stride_vp, mask=p_ok, other=0)
         best = tl.where(ok != 0, best, float("-inf"))
-    best = tl.where(offs_p == num_pages - 1, float("inf"), best)
+    # Forced pages: the one being filled, and the attention sink (the launcher passes 0 under padding).
+    best = tl.where((offs_p == num_pages - 1) | (offs_p < sink_pages), float("inf"), best)
     tl.store(out_ptr + row * stride_on + offs_p * stride_op, best, mask=p_ok)
 
 
-_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-
-
-def _score_plan(query, meta, num_pages, page_valid, out):
+def _score_plan(query, meta, num_pages, page_valid, out, subpages=1, sink_pages=0):
     """Grid, runtime arguments and constexprs of one `_score_pages_kernel` launch (also used by the compile test)."""
     n, g, d = query.shape
     if meta.dim() != 3 or meta.shape[0] != n or meta.shape[2] != 2 * d:
         raise ValueError(f"meta must be [N={n}, Pcap, 2D={2 * d}], got {tuple(meta.shape)}")
-    if not 1 <= num_pages <= meta.shape[1]:
-        raise ValueError(f"num_pages={num_pages} outside [1, {meta.shape[1]}]")
-    if query.dtype not in _FLOAT_DTYPES or meta.dtype not in _FLOAT_DTYPES:
+    if subpages < 1 or not 1 <= num_pages * subpages <= meta.shape[1]:
+        raise ValueError(f"num_pages={num_pages} x subpages={subpages} outside [1, {meta.shape[1]}] entries")
+    if query.dtype not in FLOAT_DTYPES or meta.dtype not in FLOAT_DTYPES:
         raise TypeError(f"query/meta must be fp16, bf16 or fp32, got {query.dtype}/{meta.dtype}")
     if page_valid is not None:
         if page_valid.dtype != torch.bool or page_valid.shape[0] != n or page_valid.shape[1] < num_pages:
@@ -73,13 +76,13 @@ def _score_plan(query, meta, num_pages, page_valid, out):
     block_p = 64 if block_d <= 64 else 32
     args = dict(
         q_ptr=query, meta_ptr=meta, valid_ptr=valid, out_ptr=out,
-        num_pages=num_pages, head_dim=d,
+        num_pages=num_pages, head_dim=d, sink_pages=int(sink_pages) if page_valid is None else 0,
         stride_qn=query.stride(0), stride_qg=query.stride(1), stride_qd=query.stride(2),
         stride_mn=meta.stride(0), stride_mp=meta.stride(1), stride_md=meta.stride(2),
         stride_vn=valid.stride(0), stride_vp=valid.stride(1),
         stride_on=out.stride(0), stride_op=out.stride(1),
     )
-    constexprs = dict(G=g, HAS_VALID=page_valid is not None, BLOCK_P=block_p, BLOCK_D=block_d)
+    constexprs = dict(G=g, SUBPAGES=int(subpages), HAS_VALID=page_valid is not None, BLOCK_P=block_p, BLOCK_D=block_d)
     grid = (n, triton.cdiv(num_pages, block_p))
     return grid, args, constexprs
 
@@ -89,19 +92,25 @@ def score_pages_triton(
     meta: torch.Tensor,
     num_pages: int,
     page_valid: torch.Tensor | None = None,
+    subpages: int = 1,
+    sink_pages: int = 0,
 ) -> torch.Tensor:
     """Quest upper bound of `q . k` over each page, max-reduced over each GQA group, in one launch.
 
-    Same contract as `torch_backend.score_pages`: fp32 accumulation whatever the input dtype, the last
-    page forced in with +inf, pages marked invalid set to -inf.
+    Same contract as `torch_backend.score_pages`: fp32 accumulation whatever the input dtype, a page's
+    bound the max of its `subpages` entries', the last page and (without `page_valid`) the first
+    `sink_pages` pages forced in with +inf, pages marked invalid set to -inf.
 
     Args:
         query (`torch.Tensor` of shape `[N, G, D]`): decode queries, one row per (sequence, KV head).
-        meta (`torch.Tensor` of shape `[N, Pcap, 2D]`): packed `[kmax, kmin]` per page; only the first
-            `num_pages` pages are read.
+        meta (`torch.Tensor` of shape `[N, Pcap, 2D]`): packed `[kmax, kmin]` per entry (`subpages` entries per
+            page); only the first `num_pages * subpages` entries are read.
         num_pages (`int`): pages that exist (the last one may be partially filled).
         page_valid (`torch.Tensor` of shape `[N, num_pages]`, *optional*): False for pages that hold
             no attendable token.
+        subpages (`int`, *optional*, defaults to 1): MinMax entries per page.
+        sink_pages (`int`, *optional*, defaults to 0): leading pages forced in (ignored with `page_valid`:
+            under padding the sink starts at each row's first real page, `force_sink_pages`).
 
     Returns:
         `torch.Tensor` of shape `[N, num_pages]`, fp32.
@@ -113,6 +122,6 @@ def score_pages_triton(
         torch.Size([16, 600])
     """
     out = torch.empty(query.shape[0], num_pages, device=query.device, dtype=torch.float32)
-    grid, args, constexprs = _score_plan(query, meta, num_pages, page_valid, out)
+    grid, args, constexprs = _score_plan(query, meta, num_pages, page_valid, out, subpages, sink_pages)
     _score_pages_kernel[grid](**args, **constexprs)
     return out

@@ -19,6 +19,9 @@ import torch
 
 NEG_INF = float("-inf")
 POS_INF = float("inf")
+# What the Triton kernels accept (their launchers check it); the PyTorch backend takes any float dtype.
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+INDEX_DTYPES = (torch.int32, torch.int64)
 
 
 def pack_minmax(kmax: torch.Tensor, kmin: torch.Tensor) -> torch.Tensor:
@@ -48,6 +51,7 @@ def score_pages(
     num_pages: int,
     page_valid: torch.Tensor | None = None,
     subpages: int = 1,
+    sink_pages: int = 0,
 ) -> torch.Tensor:
     """Quest upper bound of `q . k` over each page, max-reduced over each GQA group.
 
@@ -64,6 +68,8 @@ def score_pages(
             no attendable token.
         subpages (`int`, *optional*, defaults to 1): MinMax entries per page (`meta` holds `S` per page); a page's
             bound is the max of its sub-pages' (one reduction over the group and the sub-pages together).
+        sink_pages (`int`, *optional*, defaults to 0): leading pages forced in with +inf, without `page_valid`
+            only (under padding the sink starts at each row's first real page: `force_sink_pages`).
 
     Returns:
         `torch.Tensor` of shape `[N, num_pages]`, fp32.
@@ -75,6 +81,8 @@ def score_pages(
         scores = bounds.view(*bounds.shape[:2], num_pages, subpages).amax(dim=(1, 3))
     if page_valid is not None:
         scores = scores.masked_fill(~page_valid, NEG_INF)
+    elif sink_pages > 0:
+        scores[:, : min(sink_pages, num_pages)] = POS_INF
     scores[:, num_pages - 1] = POS_INF
     return scores
 
@@ -105,6 +113,23 @@ def force_sink_pages(scores: torch.Tensor, sink_pages: int, page_valid: torch.Te
     idx = (first + torch.arange(sink, device=scores.device)).clamp_(max=num_pages - 1)
     forced = torch.where(page_valid.gather(1, idx), POS_INF, NEG_INF).to(scores.dtype)
     return scores.scatter_(1, idx, forced)
+
+
+def append_token(keys: torch.Tensor, values: torch.Tensor, heads: torch.Tensor | None, slots: torch.Tensor,
+                 k_pool: torch.Tensor, v_pool: torch.Tensor, offset: int) -> None:
+    """Write one token per row: `k_pool[slots[b*Hg + i], offset] = keys[b, heads[i]]` (and the same for values).
+
+    `keys [B, H, D]`, `values [B, H, Dv]` (any strides), `heads [Hg]` the group's heads in row order (None: all
+    H), `slots [B * Hg]`. The reference of `append.append_token_triton`. A contiguous source (one group holding
+    every head) is one `index_copy_` per pool; a span of a batch's heads is written as it lies, without a copy
+    into rows first."""
+    for pool, src in ((k_pool, keys), (v_pool, values)):
+        if heads is not None:
+            src = src.index_select(1, heads)
+        if src.is_contiguous():
+            pool.select(1, offset).index_copy_(0, slots, src.view(-1, src.shape[-1]))
+        else:
+            pool.select(1, offset).index_put_((slots.view(src.shape[0], src.shape[1]),), src)
 
 
 def select_topk(scores: torch.Tensor, k: int) -> torch.Tensor:

@@ -23,7 +23,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
-from fc_hf.kernels import decode, refine, score  # noqa: E402
+from fc_hf.kernels import append, decode, refine, score  # noqa: E402
 
 COMPILER_READY = isinstance(triton.language.sum, JITFunction)
 needs_compiler = pytest.mark.skipif(not COMPILER_READY, reason="triton imported with the interpreter on; see the fresh-process test")
@@ -88,6 +88,8 @@ def test_score_kernel_compiles_for_sm90(dtype, with_valid, d):
     valid = torch.ones(n, 600, dtype=torch.bool) if with_valid else None
     _, args, constexprs = score._score_plan(query, meta, 600, valid, out)
     _compile(score._score_pages_kernel, args, constexprs)
+    _, args, constexprs = score._score_plan(query, meta, 300, valid, out[:, :300], subpages=2, sink_pages=1)
+    _compile(score._score_pages_kernel, args, constexprs)
 
 
 @needs_compiler
@@ -142,3 +144,15 @@ def test_refine_kernels_compile_for_sm90(dtype, g, d, page, padded):
     mass = torch.empty(n, c, dtype=torch.float32)
     _, args, constexprs = refine._mass_plan(lse, forced, mass)
     _compile(refine._candidate_mass_kernel, args, constexprs)
+
+
+@needs_compiler
+@pytest.mark.parametrize("dtype, with_heads", [pytest.param(torch.bfloat16, True, id="bf16-heads"),
+                                               pytest.param(torch.float32, False, id="fp32-all")])
+def test_append_kernel_compiles_for_sm90(dtype, with_heads):
+    keys = torch.empty(4, 8, 1, 128, dtype=dtype).select(2, 0)
+    heads = torch.tensor([0, 3, 5]) if with_heads else None
+    slots = torch.zeros(4 * (3 if with_heads else 8), dtype=torch.int64)
+    pool = torch.empty(100, 16, 128, dtype=dtype)
+    _, args, constexprs = append._append_plan(keys, keys, heads, slots, pool, pool, 7)
+    _compile(append._append_token_kernel, args, constexprs)

@@ -26,6 +26,7 @@ if not torch.cuda.is_available():
 
 triton = pytest.importorskip("triton")
 
+from fc_hf.kernels import append as append_mod  # noqa: E402
 from fc_hf.kernels import decode as decode_mod  # noqa: E402
 from fc_hf.kernels import bruteforce, dispatch, torch_backend  # noqa: E402
 from fc_hf.kernels import refine as refine_mod  # noqa: E402
@@ -38,11 +39,13 @@ if INTERPRET and not hasattr(decode_mod._sparse_decode_kernel, "rewriter"):
     score_mod = importlib.reload(score_mod)
     decode_mod = importlib.reload(decode_mod)
     refine_mod = importlib.reload(refine_mod)
+    append_mod = importlib.reload(append_mod)
 _CHILD_ENV = "FLEXICACHE_KERNEL_TESTS_CHILD"
 
 score_pages_triton = score_mod.score_pages_triton
 sparse_decode_attention_triton = decode_mod.sparse_decode_attention_triton
 candidate_mass_triton = refine_mod.candidate_mass_triton
+append_token_triton = append_mod.append_token_triton
 
 DEVICES = [
     pytest.param(
@@ -156,6 +159,30 @@ def test_score_pages_matches_reference_and_bruteforce(device, n, g, d, num_pages
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("subpages, sink, with_valid", [(2, 1, False), (2, 2, True), (4, 0, False), (1, 3, False)])
+def test_score_pages_subpages_and_sink(device, subpages, sink, with_valid):
+    """A page's bound is its best sub-page's; the sink is forced in-kernel without padding (with padding the
+    selector forces it per row, `force_sink_pages`, so the kernel leaves it)."""
+    n, g, d, num_pages = 4, 3, 64, 23
+    entries = num_pages * subpages
+    query, meta, valid, kmax, kmin = _score_inputs(n, g, d, entries, 5, torch.float32, False, device)
+    page_valid = (torch.rand(n, num_pages, generator=torch.Generator().manual_seed(2)) > 0.3) if with_valid else None
+    move = None if page_valid is None else page_valid.to(device)
+    out = score_pages_triton(query, meta, num_pages, move, subpages, sink).cpu()
+    ref = torch_backend.score_pages(query.cpu(), meta.cpu(), num_pages, page_valid, subpages, sink)
+    brute = bruteforce.score_pages_bruteforce(query.cpu(), kmin, kmax).view(n, num_pages, subpages).amax(-1)
+    if page_valid is not None:
+        brute = brute.masked_fill(~page_valid, float("-inf"))
+    elif sink:
+        brute[:, :sink] = float("inf")
+    brute[:, -1] = float("inf")
+    for got in (out, ref):
+        assert torch.equal(torch.isinf(got), torch.isinf(brute)) and torch.equal(got[torch.isinf(got)], brute[torch.isinf(brute)])
+        finite = torch.isfinite(brute)
+        assert_rel_rms(got[finite], brute[finite], 1e-5, "vs brute force")
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_score_pages_strided_query_and_meta(device):
     """Views into larger buffers (as a cache would pass them) are read through their strides."""
     n, g, d, num_pages = 3, 2, 64, 11
@@ -176,8 +203,10 @@ def test_score_pages_rejects_bad_shapes():
     q = torch.zeros(2, 2, 8)
     with pytest.raises(ValueError, match=r"meta must be \[N=2, Pcap, 2D=16\], got \(2, 4, 8\)"):
         score_pages_triton(q, torch.zeros(2, 4, 8), 3)  # meta last dim must be 2D
-    with pytest.raises(ValueError, match=r"num_pages=5 outside \[1, 4\]"):
+    with pytest.raises(ValueError, match=r"num_pages=5 x subpages=1 outside \[1, 4\]"):
         score_pages_triton(q, torch.zeros(2, 4, 16), 5)  # num_pages > capacity
+    with pytest.raises(ValueError, match=r"num_pages=3 x subpages=2 outside \[1, 4\]"):
+        score_pages_triton(q, torch.zeros(2, 4, 16), 3, subpages=2)  # entries > capacity
     with pytest.raises(ValueError, match="page_valid must be bool"):
         score_pages_triton(q, torch.zeros(2, 4, 16), 3, torch.ones(2, 3, dtype=torch.uint8))
 
@@ -440,6 +469,45 @@ def test_candidate_mass_rejects_bad_inputs():
         candidate_mass_triton(q, pool, slots, slots, 10, 1.0, torch.zeros(2, 3, dtype=torch.float64))
     with pytest.raises(ValueError, match="slots/pages"):
         candidate_mass_triton(q, pool, slots, slots[:, :2], 10, 1.0, torch.zeros(2, 3))
+
+
+# --------------------------------------------------------------------------------------------------
+# Decode append
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("heads", [None, [2, 0], [1]], ids=["all", "two-of-three", "one"])
+def test_append_token_matches_reference(device, dtype, heads):
+    """One launch writes exactly what the reference's index_copy_/index_put_ write, and nothing else."""
+    gen = torch.Generator().manual_seed(5)
+    batch, num_heads, d, dv, page, slots_count = 2, 3, 64, 32, 8, 20
+    step_k = torch.randn(batch, num_heads, 1, d, generator=gen).to(dtype)  # the model's [B, H, 1, D]
+    step_v = torch.randn(batch, num_heads, 1, dv, generator=gen).to(dtype)
+    head_index = None if heads is None else torch.tensor(heads)
+    rows = batch * (num_heads if heads is None else len(heads))
+    slots = 1 + torch.randperm(slots_count - 1, generator=gen)[:rows]
+    pools = [torch.randn(slots_count, page, dim, generator=gen).to(dtype) for dim in (d, dv)]
+    expected = [p.clone() for p in pools]
+    torch_backend.append_token(step_k.select(2, 0), step_v.select(2, 0), head_index, slots, *expected, 5)
+    got = [p.clone().to(device) for p in pools]
+    append_token_triton(step_k.to(device).select(2, 0), step_v.to(device).select(2, 0),
+                        None if head_index is None else head_index.to(device), slots.to(device), *got, 5)
+    for g, e in zip(got, expected):
+        assert torch.equal(g.cpu(), e)
+    assert not torch.equal(expected[0], pools[0])  # the reference did write
+
+
+def test_append_token_rejects_bad_inputs():
+    k = torch.randn(1, 2, 16)
+    pool = torch.randn(4, 8, 16)
+    with pytest.raises(ValueError, match="slots"):
+        append_token_triton(k, k, None, torch.ones(3, dtype=torch.long), pool, pool, 0)
+    with pytest.raises(ValueError, match="offset"):
+        append_token_triton(k, k, None, torch.ones(2, dtype=torch.long), pool, pool, 8)
+    with pytest.raises(TypeError, match="dtype"):
+        append_token_triton(k.double(), k.double(), None, torch.ones(2, dtype=torch.long), pool, pool, 0)
 
 
 @pytest.mark.parametrize("device", DEVICES)

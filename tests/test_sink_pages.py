@@ -29,17 +29,20 @@ def test_force_sink_pages_starts_at_the_first_real_page():
 
 @pytest.mark.parametrize("profile_unstable", [[], [(0, 0), (0, 1)]])
 def test_ranked_heads_always_hold_the_sink_page(profile_unstable, monkeypatch):
-    """Scores rigged so that page 0 is the worst: with sink_pages=1 it is still selected, without it never is."""
-    import fc_hf.kernels as kernels
+    """Bounds rigged so that page 0 is the worst: with sink_pages=1 it is still selected, without it never is.
 
-    real = kernels.score_pages
+    The rig sits below the forcing (on every query head's bound of page 0's MinMax entries), so it holds wherever
+    the sink is forced (inside `score_pages` without padding, by `force_sink_pages` otherwise)."""
+    from fc_hf.kernels import torch_backend
 
-    def page0_worst(q, meta, num_pages, page_valid=None, backend=None, subpages=1):
-        s = real(q, meta, num_pages, page_valid, backend=backend, subpages=subpages)
-        s[:, 0] = -1e30
-        return s
+    real = torch_backend.bounds_per_head
 
-    monkeypatch.setattr(kernels, "score_pages", page0_worst)
+    def page0_worst(query, meta, entries):
+        bounds = real(query, meta, entries)
+        bounds[..., : FlexiCacheConfig(page_size=4, token_budget=12).subpages] = -1e30  # page 0's entries
+        return bounds
+
+    monkeypatch.setattr(torch_backend, "bounds_per_head", page0_worst)
     for sink, expect in ((1, True), (0, False)):
         model = tiny_model("llama", layers=1)
         profile = HeadProfile.from_unstable(model.config, profile_unstable)
