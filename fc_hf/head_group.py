@@ -189,11 +189,12 @@ class HeadGroup:
         pages = self.pages_for_step(step, query, page_valid, scaling, token_valid)
         # A refined ranking at this step already scored these keys. Not re-used under a softcap (the capped logits are
         # not the ranking's) or on Triton (its kernel reads the keys in-kernel anyway); offered every step to clear them.
-        reusable = softcap is None and kernels.backend_for(query, self.cfg.backend) == "torch"
-        logits = self.selector.take_logits(pages, wanted=reusable)
+        triton = kernels.backend_for(query, self.cfg.backend) == "triton"
+        logits = self.selector.take_logits(pages, wanted=softcap is None and not triton)
         store.transfers.wait_promotions()
         with self._timed("gather_attention"):
-            slots = self._slots_for(pages)
+            # On Triton the kernel looks the pages' slots up in the block table (no gather launch before it).
+            slots = None if triton and not check else self._slots_for(pages)
             if check:
                 store.check_resident(slots)
             tail = None
@@ -204,7 +205,7 @@ class HeadGroup:
                 query, store.k_pool, store.v_pool, slots, pages, store.length, scaling,
                 token_valid, len(self.heads), softcap, backend=self.cfg.backend, workspace=self.workspace, tail=tail,
                 in_range=True,  # every page read is a page of the sequence: never -1, never past its end
-                logits=logits, out=out,
+                logits=logits, out=out, table=store.table if slots is None else None,
             )
         if self.pending is not None:
             # Deferred promotion: start the copies now, so they overlap the rest of the step.

@@ -201,10 +201,11 @@ class PageSelector:
                 keys = store.page_keys(cand, self.workspace)
                 pool = keys.view(-1, *keys.shape[2:])
                 slots = torch.arange(pool.shape[0], device=cand.device).view_as(cand)
-            else:
-                pool, slots = store.k_pool, store.slots_for(cand)
+                table = None
+            else:  # every page is on the device: the kernel looks each candidate's slot up in the block table
+                pool, slots, table = store.k_pool, None, store.table
             mass = kernels.candidate_mass(query, pool, slots, cand, store.length, scaling, cand_scores,
-                                          token_valid_rows, backend="triton")
+                                          token_valid_rows, backend="triton", table=table)
         else:
             # The candidates' logits are kept: the step's attention re-uses the chosen pages' (`take_logits`).
             keys = store.page_keys(cand, self.workspace)  # [N, C, P, D]

@@ -47,6 +47,7 @@ def _sparse_decode_kernel(
     HAS_SOFTCAP: tl.constexpr,
     SPLIT: tl.constexpr,
     UPCAST: tl.constexpr,
+    SLOTS_BY_PAGE: tl.constexpr,
 ):
     row = tl.program_id(0)
     split = tl.program_id(1)
@@ -82,8 +83,12 @@ def _sparse_decode_kernel(
     for e0 in range(first, last, PAGES_PER_BLOCK):
         entry = e0 + page_of
         e_ok = (entry < last) & (tok < PAGE_SIZE)
-        slot = tl.load(slots_ptr + row * stride_sn + entry * stride_sm, mask=e_ok, other=0)
         pidx = tl.load(pidx_ptr + row * stride_pn + entry * stride_pm, mask=e_ok, other=-1)
+        if SLOTS_BY_PAGE:  # slots_ptr is the block table [N, Pcap]: the page's slot, looked up here
+            slot = tl.load(slots_ptr + row * stride_sn + tl.maximum(pidx, 0) * stride_sm, mask=e_ok & (pidx >= 0),
+                           other=0)
+        else:
+            slot = tl.load(slots_ptr + row * stride_sn + entry * stride_sm, mask=e_ok, other=0)
         pos = pidx * PAGE_SIZE + tok
         ok = e_ok & (pidx >= 0) & (pos < seq_len)
         if HAS_TOKEN_VALID:
@@ -190,13 +195,17 @@ def _default_splits(rows: int, entries: int, pages_per_block: int, device: torch
     return max(1, min(blocks, triton.cdiv(target, rows)))
 
 
-def _check_inputs(query, k_pool, v_pool, slots, page_idx, token_valid, rows_per_batch):
+def _check_inputs(query, k_pool, v_pool, slots, page_idx, token_valid, rows_per_batch, by_page=False):
     if query.dim() != 3 or k_pool.dim() != 3 or v_pool.dim() != 3:
         raise ValueError("query must be [N, G, D] and the pools [S, P, D]")
     n, _, d = query.shape
     if k_pool.shape[2] != d or v_pool.shape[:2] != k_pool.shape[:2]:
         raise ValueError(f"pool shapes {tuple(k_pool.shape)}/{tuple(v_pool.shape)} do not match head_dim {d}")
-    if slots.shape != page_idx.shape or slots.dim() != 2 or slots.shape[0] != n:
+    if by_page:
+        if slots.dim() != 2 or slots.shape[0] != n or page_idx.dim() != 2 or page_idx.shape[0] != n:
+            raise ValueError(f"table must be [N={n}, Pcap] and page_idx [N, M], got {tuple(slots.shape)}/"
+                             f"{tuple(page_idx.shape)}")
+    elif slots.shape != page_idx.shape or slots.dim() != 2 or slots.shape[0] != n:
         raise ValueError(f"slots/page_idx must both be [N={n}, M], got {tuple(slots.shape)}/{tuple(page_idx.shape)}")
     if slots.dtype not in INDEX_DTYPES or page_idx.dtype not in INDEX_DTYPES:
         raise TypeError("slots and page_idx must be int32 or int64")
@@ -215,10 +224,12 @@ def _check_inputs(query, k_pool, v_pool, slots, page_idx, token_valid, rows_per_
 
 
 def _decode_plan(query, k_pool, v_pool, slots, page_idx, seq_len, scaling, token_valid, rows_per_batch, softcap,
-                 out, num_splits, part_o=None, part_lse=None):
-    """Grid, runtime arguments and constexprs of one `_sparse_decode_kernel` launch (also used by the compile test)."""
+                 out, num_splits, part_o=None, part_lse=None, by_page=False):
+    """Grid, runtime arguments and constexprs of one `_sparse_decode_kernel` launch (also used by the compile test).
+
+    `by_page`: `slots` is the block table `[N, Pcap]` (the kernel looks each page's slot up), not `[N, M]`."""
     n, g, d = query.shape
-    m = slots.shape[1]
+    m = page_idx.shape[1]
     page_size, dv = k_pool.shape[1], v_pool.shape[2]
     page_pad, ppb = _block_sizes(page_size, d)
     blocks = max(1, triton.cdiv(m, ppb))
@@ -254,7 +265,7 @@ def _decode_plan(query, k_pool, v_pool, slots, page_idx, seq_len, scaling, token
         G=g, PAGE_SIZE=page_size, PAGE_PAD=page_pad, PAGES_PER_BLOCK=ppb,
         BLOCK_G=max(16, triton.next_power_of_2(g)), BLOCK_D=max(16, triton.next_power_of_2(d)),
         BLOCK_DV=max(16, triton.next_power_of_2(dv)), HAS_TOKEN_VALID=token_valid is not None,
-        HAS_SOFTCAP=softcap is not None, SPLIT=split, UPCAST=upcast,
+        HAS_SOFTCAP=softcap is not None, SPLIT=split, UPCAST=upcast, SLOTS_BY_PAGE=by_page,
     )
     return (n, num_splits), args, constexprs
 
@@ -286,6 +297,7 @@ def sparse_decode_attention_triton(
     *,
     num_splits: int | None = None,
     out: torch.Tensor | None = None,
+    table: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode attention of each row's query heads over the tokens of its selected pages (flash-decoding).
 
@@ -306,6 +318,8 @@ def sparse_decode_attention_triton(
         softcap (`float`, *optional*): logit soft-capping (Gemma-2 style), `tanh(s / c) * c`.
         num_splits (`int`, *optional*): splits of each row's pages (default: enough programs to fill the device).
         out (`torch.Tensor` of shape `[N, G, Dv]`, *optional*): written with the result (any strides) and returned.
+        table (`torch.Tensor` of shape `[N, Pcap]`, *optional*): the block table; given, `slots` is not used (may be
+            None) and each page's slot is looked up in the kernel (no gather launch before it).
 
     Returns:
         `torch.Tensor` of shape `[N, G, D]` in the query's dtype.
@@ -318,7 +332,10 @@ def sparse_decode_attention_triton(
         >>> sparse_decode_attention_triton(q, pool, pool, slots, pages, 1024, 128 ** -0.5).shape
         torch.Size([32, 4, 128])
     """
-    _check_inputs(query, k_pool, v_pool, slots, page_idx, token_valid, rows_per_batch)
+    by_page = table is not None
+    if by_page:
+        slots = table
+    _check_inputs(query, k_pool, v_pool, slots, page_idx, token_valid, rows_per_batch, by_page)
     n, g, _ = query.shape
     if out is None:
         out = torch.empty(n, g, v_pool.shape[2], device=query.device, dtype=query.dtype)
@@ -327,13 +344,14 @@ def sparse_decode_attention_triton(
                          f"{tuple(out.shape)} {out.dtype} on {out.device}")
     if n == 0:
         return out
-    if slots.shape[1] == 0:
+    if page_idx.shape[1] == 0:
         return out.zero_()
     if num_splits is None:
         _, ppb = _block_sizes(k_pool.shape[1], query.shape[2])
-        num_splits = _default_splits(n, slots.shape[1], ppb, query.device)
+        num_splits = _default_splits(n, page_idx.shape[1], ppb, query.device)
     grid, args, constexprs = _decode_plan(
-        query, k_pool, v_pool, slots, page_idx, seq_len, scaling, token_valid, rows_per_batch, softcap, out, num_splits
+        query, k_pool, v_pool, slots, page_idx, seq_len, scaling, token_valid, rows_per_batch, softcap, out, num_splits,
+        by_page=by_page,
     )
     _sparse_decode_kernel[grid](**args, **constexprs, num_warps=4)
     if constexprs["SPLIT"]:

@@ -60,7 +60,7 @@ def select_topk(scores, k, backend=None):
 
 def sparse_decode_attention(
     query, k_pool, v_pool, slots, page_idx, seq_len, scaling, token_valid=None, rows_per_batch=1, softcap=None,
-    backend=None, workspace=None, tail=None, in_range=False, logits=None, out=None,
+    backend=None, workspace=None, tail=None, in_range=False, logits=None, out=None, table=None,
 ):
     """Sparse paged decode attention; `workspace` (a `GatherWorkspace`) is used by the PyTorch backend only.
 
@@ -68,29 +68,32 @@ def sparse_decode_attention(
     on every device: the Triton kernel has no extra softmax terms. `in_range` (every page index is a page of the
     sequence) lets the PyTorch backend mask with one table lookup; the Triton kernel masks in-kernel anyway.
     `logits` (the ranking's own logits of these pages) is for the PyTorch backend: it reads only the values.
-    `out` (`[N, G, Dv]`, the query's dtype), if given, receives the result on either backend.
+    `out` (`[N, G, Dv]`, the query's dtype), if given, receives the result on either backend. `table` (the block
+    table) stands in for `slots` when they are None: the Triton kernel looks each page's slot up itself.
     """
     if tail is None and logits is None and backend_for(query, backend) == "triton":
         from .decode import sparse_decode_attention_triton
 
         return sparse_decode_attention_triton(
-            query, k_pool, v_pool, slots, page_idx, seq_len, scaling, token_valid, rows_per_batch, softcap, out=out
+            query, k_pool, v_pool, slots, page_idx, seq_len, scaling, token_valid, rows_per_batch, softcap, out=out,
+            table=table,
         )
     return torch_backend.sparse_decode_attention(
         query, k_pool, v_pool, slots, page_idx, seq_len, scaling, token_valid, rows_per_batch, softcap, workspace, tail,
-        in_range, logits, out,
+        in_range, logits, out, table,
     )
 
 
 def candidate_mass(query, k_pool, slots, pages, seq_len, scaling, forced, token_valid=None, rows_per_batch=1,
-                   backend=None):
+                   backend=None, table=None):
     """Exact attention mass of candidate pages (refinement's ranking key); see `torch_backend.candidate_mass`."""
     if backend_for(query, backend) == "triton":
         from .refine import candidate_mass_triton
 
-        return candidate_mass_triton(query, k_pool, slots, pages, seq_len, scaling, forced, token_valid, rows_per_batch)
+        return candidate_mass_triton(query, k_pool, slots, pages, seq_len, scaling, forced, token_valid, rows_per_batch,
+                                     table)
     return torch_backend.candidate_mass(query, k_pool, slots, pages, seq_len, scaling, forced, token_valid,
-                                        rows_per_batch)
+                                        rows_per_batch, table)
 
 
 def promotion_plan(old_pages, old_slots, new_pages, backend=None):

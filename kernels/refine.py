@@ -44,6 +44,7 @@ def _candidate_lse_kernel(
     BLOCK_G: tl.constexpr,
     BLOCK_D: tl.constexpr,
     HAS_TOKEN_VALID: tl.constexpr,
+    SLOTS_BY_PAGE: tl.constexpr,
 ):
     row = tl.program_id(0)
     first = tl.program_id(1) * PAGES_PER_PROGRAM
@@ -60,8 +61,11 @@ def _candidate_lse_kernel(
     batch = row // rows_per_batch
     last = tl.minimum(first + PAGES_PER_PROGRAM, num_cand)
     for c in range(first, last):
-        slot = tl.load(slots_ptr + row * stride_sn + c * stride_sm).to(tl.int64)
         pidx = tl.load(pidx_ptr + row * stride_pn + c * stride_pm)
+        if SLOTS_BY_PAGE:  # slots_ptr is the block table [N, Pcap]: the page's slot, looked up here
+            slot = tl.load(slots_ptr + row * stride_sn + tl.maximum(pidx, 0) * stride_sm).to(tl.int64)
+        else:
+            slot = tl.load(slots_ptr + row * stride_sn + c * stride_sm).to(tl.int64)
         pos = pidx * PAGE_SIZE + tok
         ok = (tok < PAGE_SIZE) & (pos >= 0) & (pos < seq_len)  # pos >= 0: the entry is a page (pidx >= 0)
         if HAS_TOKEN_VALID:
@@ -113,16 +117,19 @@ def _candidate_mass_kernel(
     tl.store(mass_ptr + row * stride_mn + offs_c * stride_mc, mass, mask=c_ok)
 
 
-def _check_inputs(query, k_pool, slots, pages, forced, token_valid, rows_per_batch):
+def _check_inputs(query, k_pool, slots, pages, forced, token_valid, rows_per_batch, by_page=False):
     if query.dim() != 3 or k_pool.dim() != 3:
         raise ValueError("query must be [N, G, D] and k_pool [S, P, D]")
     n, _, d = query.shape
     if k_pool.shape[2] != d:
         raise ValueError(f"k_pool {tuple(k_pool.shape)} does not match head_dim {d}")
-    if slots.shape != pages.shape or slots.dim() != 2 or slots.shape[0] != n:
+    if by_page:
+        if slots.dim() != 2 or slots.shape[0] != n or pages.dim() != 2 or pages.shape[0] != n:
+            raise ValueError(f"table must be [N={n}, Pcap] and pages [N, C], got {tuple(slots.shape)}/{tuple(pages.shape)}")
+    elif slots.shape != pages.shape or slots.dim() != 2 or slots.shape[0] != n:
         raise ValueError(f"slots/pages must both be [N={n}, C], got {tuple(slots.shape)}/{tuple(pages.shape)}")
-    if forced.shape != slots.shape or forced.dtype != torch.float32:
-        raise ValueError(f"forced must be fp32 [N, C]={tuple(slots.shape)}, got {forced.dtype} {tuple(forced.shape)}")
+    if forced.shape != pages.shape or forced.dtype != torch.float32:
+        raise ValueError(f"forced must be fp32 [N, C]={tuple(pages.shape)}, got {forced.dtype} {tuple(forced.shape)}")
     if slots.dtype not in INDEX_DTYPES or pages.dtype not in INDEX_DTYPES:
         raise TypeError("slots and pages must be int32 or int64")
     if query.dtype not in FLOAT_DTYPES or k_pool.dtype not in FLOAT_DTYPES:
@@ -136,10 +143,12 @@ def _check_inputs(query, k_pool, slots, pages, forced, token_valid, rows_per_bat
             raise ValueError(f"token_valid has {token_valid.shape[0]} rows, need {triton.cdiv(n, rows_per_batch)}")
 
 
-def _lse_plan(query, k_pool, slots, pages, seq_len, scaling, token_valid, rows_per_batch, lse):
-    """Grid, runtime arguments and constexprs of one `_candidate_lse_kernel` launch (also used by the compile test)."""
+def _lse_plan(query, k_pool, slots, pages, seq_len, scaling, token_valid, rows_per_batch, lse, by_page=False):
+    """Grid, runtime arguments and constexprs of one `_candidate_lse_kernel` launch (also used by the compile test).
+
+    `by_page`: `slots` is the block table `[N, Pcap]` (the kernel looks each page's slot up), not `[N, C]`."""
     n, g, d = query.shape
-    c = slots.shape[1]
+    c = pages.shape[1]
     page_size = k_pool.shape[1]
     tv = token_valid.view(torch.uint8) if token_valid is not None else slots  # never read without HAS_TOKEN_VALID
     args = dict(
@@ -156,7 +165,7 @@ def _lse_plan(query, k_pool, slots, pages, seq_len, scaling, token_valid, rows_p
     constexprs = dict(
         G=g, PAGE_SIZE=page_size, PAGE_PAD=max(16, triton.next_power_of_2(page_size)),
         PAGES_PER_PROGRAM=_PAGES_PER_PROGRAM, BLOCK_G=max(16, triton.next_power_of_2(g)),
-        BLOCK_D=max(16, triton.next_power_of_2(d)), HAS_TOKEN_VALID=token_valid is not None,
+        BLOCK_D=max(16, triton.next_power_of_2(d)), HAS_TOKEN_VALID=token_valid is not None, SLOTS_BY_PAGE=by_page,
     )
     return (n, triton.cdiv(c, _PAGES_PER_PROGRAM)), args, constexprs
 
@@ -184,6 +193,7 @@ def candidate_mass_triton(
     forced: torch.Tensor,
     token_valid: torch.Tensor | None = None,
     rows_per_batch: int = 1,
+    table: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention mass of each candidate page among all candidates' tokens, mean over the group, in two launches.
 
@@ -201,18 +211,24 @@ def candidate_mass_triton(
         forced (`torch.Tensor` of shape `[N, C]`, fp32): the candidates' page scores (+inf forced, -inf all padding).
         token_valid (`torch.Tensor` of shape `[B, L]`, *optional*): padding mask, True = attend.
         rows_per_batch (`int`): rows per `token_valid` row.
+        table (`torch.Tensor` of shape `[N, Pcap]`, *optional*): the block table; given, `slots` is not used (may be
+            None) and each candidate's slot is looked up in the kernel.
 
     Returns:
         `torch.Tensor` of shape `[N, C]`, fp32.
     """
-    _check_inputs(query, k_pool, slots, pages, forced, token_valid, rows_per_batch)
+    by_page = table is not None
+    if by_page:
+        slots = table
+    _check_inputs(query, k_pool, slots, pages, forced, token_valid, rows_per_batch, by_page)
     n, g, _ = query.shape
-    c = slots.shape[1]
+    c = pages.shape[1]
     mass = torch.empty(n, c, device=query.device, dtype=torch.float32)
     if n == 0 or c == 0:
         return mass
     lse = torch.empty(n, g, c, device=query.device, dtype=torch.float32)
-    grid, args, constexprs = _lse_plan(query, k_pool, slots, pages, seq_len, scaling, token_valid, rows_per_batch, lse)
+    grid, args, constexprs = _lse_plan(query, k_pool, slots, pages, seq_len, scaling, token_valid, rows_per_batch, lse,
+                                       by_page)
     _candidate_lse_kernel[grid](**args, **constexprs, num_warps=4)
     grid, args, constexprs = _mass_plan(lse, forced, mass)
     _candidate_mass_kernel[grid](**args, **constexprs)

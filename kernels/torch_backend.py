@@ -195,13 +195,16 @@ def mass_from_logits(logits: torch.Tensor, page_size: int, forced: torch.Tensor,
 
 def candidate_mass(query: torch.Tensor, k_pool: torch.Tensor, slots: torch.Tensor, pages: torch.Tensor, seq_len: int,
                    scaling: float, forced: torch.Tensor, token_valid: torch.Tensor | None = None,
-                   rows_per_batch: int = 1) -> torch.Tensor:
+                   rows_per_batch: int = 1, table: torch.Tensor | None = None) -> torch.Tensor:
     """Exact attention mass `[N, C]` of candidate pages, mean over the group (the refinement's ranking key).
 
     The reference of the Triton kernels (`refine.candidate_mass_triton`, same contract). `query [N, G, D]`;
     the candidates `pages [N, C]` are pages of the sequence, their keys at `slots [N, C]` of `k_pool [S, P, D]`;
     `forced [N, C]` fp32 scores (+-inf: forced / all padding); `token_valid [B, L]` padding mask with
-    `rows_per_batch` rows per sequence. fp32 whatever the input dtype."""
+    `rows_per_batch` rows per sequence; `table [N, Pcap]` (the block table) stands in for `slots` when they are
+    None. fp32 whatever the input dtype."""
+    if slots is None:
+        slots = table.gather(1, pages)
     n, c = slots.shape
     keys = k_pool.index_select(0, slots.reshape(-1)).view(n, c, *k_pool.shape[1:])
     rows_valid = None
@@ -297,6 +300,7 @@ def sparse_decode_attention(
     in_range: bool = False,
     logits: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
+    table: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode attention of each row's query heads over the tokens of its selected pages.
 
@@ -327,10 +331,14 @@ def sparse_decode_attention(
             `fc_hf.selection.PageSelector` with refinement). The keys are then not read; not with `softcap`.
         out (`torch.Tensor` of shape `[N, G, Dv]`, *optional*): written with the result (e.g. a span of a layer's
             output, so the caller need not copy it there) and returned.
+        table (`torch.Tensor` of shape `[N, Pcap]`, *optional*): the block table, to look the slots up from when
+            `slots` is None (the Triton kernel does so in-kernel).
 
     Returns:
         `torch.Tensor` of shape `[N, G, D]` in the query's dtype.
     """
+    if slots is None:
+        slots = table.gather(1, page_idx.clamp(min=0)).masked_fill_(page_idx < 0, 0)  # unused entries: null block
     n, m = slots.shape
     page_size, dim = k_pool.shape[1], k_pool.shape[2]
     flat = slots.reshape(-1)

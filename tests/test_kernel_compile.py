@@ -116,6 +116,12 @@ def test_decode_kernels_compile_for_sm90(dtype, g, d, splits, padded, softcap):
     # Compiled for the GPU path (the plan picks fp32 upcasting for CPU tensors, i.e. the interpreter).
     constexprs["UPCAST"] = dtype == torch.float32
     _compile(decode._sparse_decode_kernel, args, constexprs)
+    table = torch.zeros(n, 300, dtype=torch.int64)
+    _, args, constexprs = decode._decode_plan(
+        query, pool, pool, table, page_idx, 1000, d**-0.5, token_valid, 8, softcap, out, splits, by_page=True
+    )
+    constexprs["UPCAST"] = dtype == torch.float32
+    _compile(decode._sparse_decode_kernel, args, constexprs)
     if constexprs["SPLIT"]:
         _, args, constexprs = decode._combine_plan(args["part_o_ptr"], args["part_lse_ptr"], out)
         _compile(decode._combine_splits_kernel, args, constexprs)
@@ -139,6 +145,9 @@ def test_refine_kernels_compile_for_sm90(dtype, g, d, page, padded):
     lse = torch.empty(n, g, c, dtype=torch.float32)
     token_valid = torch.ones(n, 4096, dtype=torch.bool) if padded else None
     _, args, constexprs = refine._lse_plan(query, pool, slots, pages, 4000, d**-0.5, token_valid, 1, lse)
+    _compile(refine._candidate_lse_kernel, args, constexprs)
+    table = torch.zeros(n, 300, dtype=torch.int64)
+    _, args, constexprs = refine._lse_plan(query, pool, table, pages, 4000, d**-0.5, token_valid, 1, lse, by_page=True)
     _compile(refine._candidate_lse_kernel, args, constexprs)
     forced = torch.empty(n, c, dtype=torch.float32)
     mass = torch.empty(n, c, dtype=torch.float32)

@@ -343,6 +343,29 @@ def test_sparse_decode_writes_into_a_given_span(device, num_splits):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("padding", [False, True], ids=["nopad", "pad"])
+def test_slots_looked_up_in_the_block_table(device, padding):
+    """`table=`: the decode and refinement kernels look each page's slot up themselves (unused -1 entries read
+    nothing) and give exactly what they give from gathered slots; the PyTorch backend gathers them the same way."""
+    case = DecodeCase(2, 2, 3, 64, 16, 150, 4, torch.float32, padding, unused=2)
+    query, k_pool, v_pool, slots, pages, seq_len, scaling, tv, rpb = case.args(device)
+    table = case.block_table.to(device)
+    by_slots = sparse_decode_attention_triton(query, k_pool, v_pool, slots, pages, seq_len, scaling, tv, rpb)
+    by_table = sparse_decode_attention_triton(query, k_pool, v_pool, None, pages, seq_len, scaling, tv, rpb,
+                                              table=table)
+    assert torch.equal(by_table, by_slots)
+    args = case.args("cpu")
+    ref = torch_backend.sparse_decode_attention(args[0], args[1], args[2], None, *args[4:], table=case.block_table)
+    assert torch.equal(ref, torch_backend.sparse_decode_attention(*args))
+    cand = torch.stack([torch.randperm(case.num_pages, generator=torch.Generator().manual_seed(r))[:5]
+                        for r in range(case.n)]).to(device)
+    forced = torch.zeros(case.n, 5, device=device)
+    mass_slots = candidate_mass_triton(query, k_pool, table.gather(1, cand), cand, seq_len, scaling, forced, tv, rpb)
+    mass_table = candidate_mass_triton(query, k_pool, None, cand, seq_len, scaling, forced, tv, rpb, table=table)
+    assert torch.equal(mass_table, mass_slots)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64], ids=["i32", "i64"])
 def test_sparse_decode_all_pages_equals_dense(device, index_dtype):
     """With every page selected the result is dense attention over the whole (padded) sequence."""
