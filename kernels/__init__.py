@@ -7,6 +7,7 @@ Installed as `fc_hf.kernels` (the repository folder is `kernels/`; see pyproject
 | `dispatch.py` | the public functions: Triton on CUDA tensors, the PyTorch backend otherwise (`FLEXICACHE_BACKEND=torch|triton` forces either) |
 | `torch_backend.py` | the PyTorch implementation: the CPU production path and the reference the Triton kernels are tested against; `GatherWorkspace` (per-cache gather buffers) |
 | `score.py`, `decode.py`, `refine.py`, `append.py` | Triton kernels: page scoring, flash-decoding over selected pages, the exact mass of refinement's candidate pages, the decode append |
+| `checks.py` | input checks and accepted dtypes shared by the Triton launchers |
 | `bruteforce.py` | literal-formula oracles for tests only (never called in production) |
 """
 

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .torch_backend import FLOAT_DTYPES, INDEX_DTYPES
+from .checks import FLOAT_DTYPES, check_page_lists
 
 _LOG2E = 1.4426950408889634
 
@@ -201,26 +201,12 @@ def _check_inputs(query, k_pool, v_pool, slots, page_idx, token_valid, rows_per_
     n, _, d = query.shape
     if k_pool.shape[2] != d or v_pool.shape[:2] != k_pool.shape[:2]:
         raise ValueError(f"pool shapes {tuple(k_pool.shape)}/{tuple(v_pool.shape)} do not match head_dim {d}")
-    if by_page:
-        if slots.dim() != 2 or slots.shape[0] != n or page_idx.dim() != 2 or page_idx.shape[0] != n:
-            raise ValueError(f"table must be [N={n}, Pcap] and page_idx [N, M], got {tuple(slots.shape)}/"
-                             f"{tuple(page_idx.shape)}")
-    elif slots.shape != page_idx.shape or slots.dim() != 2 or slots.shape[0] != n:
-        raise ValueError(f"slots/page_idx must both be [N={n}, M], got {tuple(slots.shape)}/{tuple(page_idx.shape)}")
-    if slots.dtype not in INDEX_DTYPES or page_idx.dtype not in INDEX_DTYPES:
-        raise TypeError("slots and page_idx must be int32 or int64")
+    check_page_lists(n, slots, page_idx, by_page, token_valid, rows_per_batch)
     for name, t in (("query", query), ("k_pool", k_pool), ("v_pool", v_pool)):
         if t.dtype not in FLOAT_DTYPES:
             raise TypeError(f"{name} must be fp16, bf16 or fp32, got {t.dtype}")
     if k_pool.dtype != v_pool.dtype:
         raise TypeError(f"k_pool and v_pool dtypes differ: {k_pool.dtype} vs {v_pool.dtype}")
-    if rows_per_batch < 1:
-        raise ValueError("rows_per_batch must be >= 1")
-    if token_valid is not None:
-        if token_valid.dtype != torch.bool or token_valid.dim() != 2:
-            raise ValueError("token_valid must be a bool [B, L] tensor")
-        if token_valid.shape[0] * rows_per_batch < n:
-            raise ValueError(f"token_valid has {token_valid.shape[0]} rows, need {triton.cdiv(n, rows_per_batch)}")
 
 
 def _decode_plan(query, k_pool, v_pool, slots, page_idx, seq_len, scaling, token_valid, rows_per_batch, softcap,

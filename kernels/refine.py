@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .torch_backend import FLOAT_DTYPES, INDEX_DTYPES
+from .checks import FLOAT_DTYPES, check_page_lists
 
 # Candidate pages per program of the first kernel (one page per loop iteration).
 _PAGES_PER_PROGRAM = 8
@@ -123,24 +123,11 @@ def _check_inputs(query, k_pool, slots, pages, forced, token_valid, rows_per_bat
     n, _, d = query.shape
     if k_pool.shape[2] != d:
         raise ValueError(f"k_pool {tuple(k_pool.shape)} does not match head_dim {d}")
-    if by_page:
-        if slots.dim() != 2 or slots.shape[0] != n or pages.dim() != 2 or pages.shape[0] != n:
-            raise ValueError(f"table must be [N={n}, Pcap] and pages [N, C], got {tuple(slots.shape)}/{tuple(pages.shape)}")
-    elif slots.shape != pages.shape or slots.dim() != 2 or slots.shape[0] != n:
-        raise ValueError(f"slots/pages must both be [N={n}, C], got {tuple(slots.shape)}/{tuple(pages.shape)}")
+    check_page_lists(n, slots, pages, by_page, token_valid, rows_per_batch)
     if forced.shape != pages.shape or forced.dtype != torch.float32:
         raise ValueError(f"forced must be fp32 [N, C]={tuple(pages.shape)}, got {forced.dtype} {tuple(forced.shape)}")
-    if slots.dtype not in INDEX_DTYPES or pages.dtype not in INDEX_DTYPES:
-        raise TypeError("slots and pages must be int32 or int64")
     if query.dtype not in FLOAT_DTYPES or k_pool.dtype not in FLOAT_DTYPES:
         raise TypeError(f"query/k_pool must be fp16, bf16 or fp32, got {query.dtype}/{k_pool.dtype}")
-    if rows_per_batch < 1:
-        raise ValueError("rows_per_batch must be >= 1")
-    if token_valid is not None:
-        if token_valid.dtype != torch.bool or token_valid.dim() != 2:
-            raise ValueError("token_valid must be a bool [B, L] tensor")
-        if token_valid.shape[0] * rows_per_batch < n:
-            raise ValueError(f"token_valid has {token_valid.shape[0]} rows, need {triton.cdiv(n, rows_per_batch)}")
 
 
 def _lse_plan(query, k_pool, slots, pages, seq_len, scaling, token_valid, rows_per_batch, lse, by_page=False):

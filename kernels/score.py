@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .torch_backend import FLOAT_DTYPES
+from .checks import FLOAT_DTYPES
 
 
 @triton.jit

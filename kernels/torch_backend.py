@@ -19,9 +19,6 @@ import torch
 
 NEG_INF = float("-inf")
 POS_INF = float("inf")
-# What the Triton kernels accept (their launchers check it); the PyTorch backend takes any float dtype.
-FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-INDEX_DTYPES = (torch.int32, torch.int64)
 
 
 def pack_minmax(kmax: torch.Tensor, kmin: torch.Tensor) -> torch.Tensor:

@@ -429,9 +429,9 @@ def test_sparse_decode_strided_pools(device):
 def test_sparse_decode_rejects_bad_inputs():
     case = DecodeCase(1, 1, 2, 64, 16, 20, 2, torch.float32, False)
     args = list(case.args("cpu"))
-    with pytest.raises(ValueError, match="slots/page_idx must both be"):
+    with pytest.raises(ValueError, match="slots and the page list must both be"):
         sparse_decode_attention_triton(args[0], args[1], args[2], args[3][:, :1], *args[4:])  # slots/page_idx mismatch
-    with pytest.raises(TypeError, match="slots and page_idx must be int32 or int64"):
+    with pytest.raises(TypeError, match="must be int32 or int64"):
         sparse_decode_attention_triton(args[0], args[1], args[2], args[3].float(), args[4].float(), *args[5:])
     with pytest.raises(ValueError, match="do not match head_dim 32"):
         sparse_decode_attention_triton(args[0][:, :, :32], *args[1:])  # head_dim mismatch
@@ -490,7 +490,7 @@ def test_candidate_mass_rejects_bad_inputs():
     slots = torch.ones(2, 3, dtype=torch.long)
     with pytest.raises(ValueError, match="forced"):
         candidate_mass_triton(q, pool, slots, slots, 10, 1.0, torch.zeros(2, 3, dtype=torch.float64))
-    with pytest.raises(ValueError, match="slots/pages"):
+    with pytest.raises(ValueError, match="slots and the page list"):
         candidate_mass_triton(q, pool, slots, slots[:, :2], 10, 1.0, torch.zeros(2, 3))
 
 
