@@ -210,7 +210,7 @@ class PageSelector:
             # The candidates' logits are kept: the step's attention re-uses the chosen pages' (`take_logits`).
             keys = store.page_keys(cand, self.workspace)  # [N, C, P, D]
             logits = kernels.torch_backend.candidate_logits(query, keys, cand, store.length, scaling,
-                                                            token_valid_rows, self.workspace)
+                                                            token_valid_rows, workspace=self.workspace)
             mass = kernels.torch_backend.mass_from_logits(logits, store.page_size, cand_scores,
                                                           padded=token_valid_rows is not None)
         top = torch.topk(mass, self.k, dim=-1).indices  # [N, K]

@@ -78,8 +78,8 @@ def score_pages(
         scores = bounds.view(*bounds.shape[:2], num_pages, subpages).amax(dim=(1, 3))
     if page_valid is not None:
         scores = scores.masked_fill(~page_valid, NEG_INF)
-    elif sink_pages > 0:
-        scores[:, : min(sink_pages, num_pages)] = POS_INF
+    else:
+        force_sink_pages(scores, sink_pages)
     scores[:, num_pages - 1] = POS_INF
     return scores
 
@@ -163,18 +163,18 @@ def masked_logits(query: torch.Tensor, keys: torch.Tensor, pages: torch.Tensor, 
 
 
 def candidate_logits(query: torch.Tensor, keys: torch.Tensor, pages: torch.Tensor, seq_len: int, scaling: float,
-                     token_valid_rows: torch.Tensor | None = None, workspace: "GatherWorkspace | None" = None):
+                     token_valid: torch.Tensor | None = None, rows_per_batch: int = 1,
+                     workspace: "GatherWorkspace | None" = None):
     """fp32 logits `[N, G, C*P]` of the keys `[N, C, P, D]` of candidate pages `[N, C]` (pages of the sequence),
-    scaled, with positions past `seq_len` and padding (`token_valid_rows [N, L]`, optional) at -inf."""
+    scaled, with positions past `seq_len` and padding (`token_valid [B, L]`, optional, `rows_per_batch` rows per
+    sequence; `token_mask`) at -inf."""
     n, c, p, d = keys.shape
     flat = keys.view(n, c * p, d).float()
-    if token_valid_rows is None:
+    if token_valid is None:
         return masked_logits(query.float(), flat, pages, seq_len, scaling, workspace)
     logits = torch.matmul(query.float(), flat.transpose(1, 2)) * scaling
-    pos = pages[:, :, None] * p + torch.arange(p, device=pages.device)  # [N, C, P]
-    ok = pos < seq_len
-    ok &= token_valid_rows.gather(1, pos.clamp(max=token_valid_rows.shape[1] - 1).view(n, -1)).view(n, c, p)
-    return logits.masked_fill(~ok.view(n, 1, c * p), NEG_INF)
+    ok = token_mask(pages, p, seq_len, token_valid, rows_per_batch)
+    return logits.masked_fill(~ok[:, None, :], NEG_INF)
 
 
 def mass_from_logits(logits: torch.Tensor, page_size: int, forced: torch.Tensor, padded: bool) -> torch.Tensor:
@@ -204,10 +204,7 @@ def candidate_mass(query: torch.Tensor, k_pool: torch.Tensor, slots: torch.Tenso
         slots = table.gather(1, pages)
     n, c = slots.shape
     keys = k_pool.index_select(0, slots.reshape(-1)).view(n, c, *k_pool.shape[1:])
-    rows_valid = None
-    if token_valid is not None:
-        rows_valid = token_valid.index_select(0, torch.arange(n, device=slots.device) // rows_per_batch)
-    logits = candidate_logits(query, keys, pages, seq_len, scaling, rows_valid)
+    logits = candidate_logits(query, keys, pages, seq_len, scaling, token_valid, rows_per_batch)
     return mass_from_logits(logits, k_pool.shape[1], forced, token_valid is not None)
 
 
@@ -235,8 +232,10 @@ def token_mask(
     # An unused entry (-1) maps to negative positions, so one range check also drops it.
     ok = (pos >= 0) & (pos < seq_len)
     if token_valid is not None:
-        batch = torch.arange(n, device=page_idx.device) // rows_per_batch
-        tv = token_valid[batch]  # [N, L]
+        if rows_per_batch == 1:  # already one mask row per row: its first N rows, a view
+            tv = token_valid[:n]
+        else:
+            tv = token_valid[torch.arange(n, device=page_idx.device) // rows_per_batch]  # [N, L]
         ok &= tv.gather(1, pos.clamp(0, tv.shape[1] - 1))
     return ok
 
