@@ -17,7 +17,7 @@ are due, with no Python loop over heads.
 from __future__ import annotations
 
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 
@@ -27,6 +27,8 @@ from .selection import PageSelector, tail_terms
 from .tiers import compaction_headroom, move_tiers
 
 UNSTABLE, STABLE, STREAMING = "unstable", "stable", "streaming"
+
+_UNTIMED = nullcontext()
 
 
 class HeadGroup:
@@ -64,11 +66,12 @@ class HeadGroup:
             subpages=self.cfg.subpages, page_means=self.cfg.tail_estimate,
         )
 
-    @contextmanager
     def _timed(self, name):
-        if self.timings is None:
-            yield
-            return
+        """Times the block into `timings[name]` when timings are on; else a shared no-op (no generator per call)."""
+        return _UNTIMED if self.timings is None else self._timing(name)
+
+    @contextmanager
+    def _timing(self, name):
         if self.store.device.type == "cuda":
             torch.cuda.synchronize(self.store.device)
         t0 = time.perf_counter()

@@ -153,8 +153,11 @@ class FlexiCacheLayer(CacheLayerMixin):
         )
 
     def _head_order(self) -> tuple[torch.Tensor | None, list[tuple[int, int]], torch.Tensor | None]:
-        """`(perm, spans, inverse)`: the KV heads in group order (None when that is 0..H-1), each group's span in
-        it, and the inverse permutation (group order back to head order; None with perm)."""
+        """`(perm, spans, inverse)`: the KV heads in group order (None when no reordering is needed), each group's
+        span in it, and the inverse permutation (group order back to head order; None with perm).
+
+        When every group's heads are a run of consecutive heads, each group's span is its run in head order itself
+        (a view of the model's tensors; no pick of the heads before the groups, none of the output after)."""
         memo = getattr(self, "_order_memo", None)
         if memo is None or memo[0] is not self.groups:
             order = [h for g in self.groups for h in g.heads]
@@ -163,7 +166,9 @@ class FlexiCacheLayer(CacheLayerMixin):
                 spans.append((lo, lo + len(g.heads)))
                 lo += len(g.heads)
             perm = inverse = None
-            if order != list(range(self.num_kv_heads)):
+            if all(g.heads == list(range(g.heads[0], g.heads[0] + len(g.heads))) for g in self.groups):
+                spans = [(g.heads[0], g.heads[0] + len(g.heads)) for g in self.groups]
+            elif order != list(range(self.num_kv_heads)):
                 perm = torch.tensor(order, device=self.device)
                 inverse = torch.tensor(sorted(range(len(order)), key=order.__getitem__), device=self.device)
             memo = (self.groups, perm, spans, inverse)
