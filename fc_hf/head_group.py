@@ -58,6 +58,7 @@ class HeadGroup:
         # pages are kept until the selection or the page count changes, their slots until the table does.
         self._pages_memo: tuple | None = None  # (sel, pages_at_rank, num_pages, rows, pages)
         self._slots_memo: tuple | None = None  # (pages, table_version, slots)
+        self._checked_slots: torch.Tensor | None = None  # the slots the residency check last passed
 
     def init_store(self, batch, head_dim, value_dim, dtype, device):
         self.head_index = torch.tensor(self.heads, device=device)
@@ -154,7 +155,7 @@ class HeadGroup:
         """Make `new_sel` the current selection; for a tiered group move pages between tiers."""
         if self.tiered:
             with self._timed("promotion"):
-                self._move_tiers(new_sel)
+                self._move_tiers(new_sel, pages_at_rank)
         self.sel = new_sel
         self.pages_at_rank = pages_at_rank
 
@@ -166,13 +167,20 @@ class HeadGroup:
         """
         self._apply(sel, pages_at_rank)
 
-    def _move_tiers(self, new_sel: torch.Tensor) -> None:
-        promoted = move_tiers(self.store, self._resident_pages(), new_sel)
+    def _move_tiers(self, new_sel: torch.Tensor, pages_at_rank: int) -> None:
+        store = self.store
+        promoted = move_tiers(store, self._resident_pages(), new_sel)
         if self.sel is not None:  # the first ranking only drops the prompt's pages; it promotes nothing
             self.promoted_fractions.append(promoted / max(1, new_sel.numel()))
-        if not self.compacted:
+        headroom = compaction_headroom(store, self.interval)
+        if pages_at_rank == store.num_pages and kernels.backend_for(store.k_pool, self.cfg.backend) == "torch":
+            # The PyTorch attention reads the pages in place until the next ranking (no gather per step); the
+            # layout is also the compaction (a pool of the resident pages plus the headroom).
+            store.arrange_rows(new_sel, headroom // store.rows)
+            self.compacted = True
+        elif not self.compacted:
             # After the first drop, give the freed device memory back.
-            self.store.compact(compaction_headroom(self.store, self.interval))
+            store.compact(headroom)
             self.compacted = True
 
     # -- attention -------------------------------------------------------------------------------
@@ -197,9 +205,14 @@ class HeadGroup:
         store.transfers.wait_promotions()
         with self._timed("gather_attention"):
             # On Triton the kernel looks the pages' slots up in the block table (no gather launch before it).
-            slots = None if triton and not check else self._slots_for(pages)
-            if check:
+            # On the PyTorch path a tiered group reads its pages in place between rankings (`PagedKV.arrange_rows`).
+            row_kv = None if triton or self.sel is None else store.row_view(self.sel, pages.shape[1])
+            slots = None if (triton or row_kv is not None) and not check else self._slots_for(pages)
+            if check and self._checked_slots is not slots:
+                # Slots come out of a table look-up; the same look-up (pages and table unchanged: any tier move
+                # writes the table) was already checked, so a stable group checks once per ranking or new page.
                 store.check_resident(slots)
+                self._checked_slots = slots
             tail = None
             if store.page_means is not None and store.full_pages:
                 tail = tail_terms(query, store.page_means, pages, store.full_pages, store.page_size, scaling,
@@ -208,7 +221,7 @@ class HeadGroup:
                 query, store.k_pool, store.v_pool, slots, pages, store.length, scaling,
                 token_valid, len(self.heads), softcap, backend=self.cfg.backend, workspace=self.workspace, tail=tail,
                 in_range=True,  # every page read is a page of the sequence: never -1, never past its end
-                logits=logits, out=out, table=store.table if slots is None else None,
+                logits=logits, out=out, table=store.table if slots is None else None, row_kv=row_kv,
             )
         if self.pending is not None:
             # Deferred promotion: start the copies now, so they overlap the rest of the step.

@@ -89,6 +89,9 @@ class PagedKV:
         # Bumped on every write to `table`; caches of its entries (here and in `HeadGroup`) are keyed on it.
         self.table_version = 0
         self._write_slots: tuple | None = None  # (page, table_version, slots [N]) of the page being filled
+        # Set by `arrange_rows` (tiered groups on the PyTorch path), cleared by any slot move it did not plan:
+        # {"pages": the arranged pages [N, M], "width": slots per row, "used": positions filled per row}.
+        self.row_layout: dict | None = None
         self.counters = {"pages_offloaded": 0, "bytes_offloaded": 0, "pages_promoted": 0, "bytes_promoted": 0}
 
     # -- sizes ---------------------------------------------------------------------------------
@@ -134,6 +137,12 @@ class PagedKV:
         return new_pages * self.rows
 
     def _alloc(self, count: int) -> torch.Tensor:
+        layout = self.row_layout
+        if layout is not None:  # the free stack's top is each row's next position: one page per row continues the rows
+            if count == self.rows and layout["used"] < layout["width"]:
+                layout["used"] += 1
+            else:
+                self.row_layout = None
         if count > self.n_free:
             # Spare pages per row: ~1.5% of what is held, at most `grow_pages`, so the allocation
             # tracks the real size closely and regrowth (a copy) stays rare.
@@ -147,6 +156,7 @@ class PagedKV:
         count = slots.numel()
         if count == 0:
             return
+        self.row_layout = None
         if self.n_free + count > self.free.numel():
             self.free = _grow_dim(self.free, 0, self.n_free + count)
         self.free[self.n_free : self.n_free + count] = slots.reshape(-1)
@@ -154,6 +164,7 @@ class PagedKV:
 
     def _grow_pool(self, extra: int) -> None:
         self.transfers.wait_promotions()  # a pending promotion writes into the pool being copied
+        self.row_layout = None
         old = self.k_pool.shape[0]
         self.k_pool = _grow_dim(self.k_pool, 0, old + extra)
         self.v_pool = _grow_dim(self.v_pool, 0, old + extra)
@@ -177,6 +188,7 @@ class PagedKV:
         beams) comes out with private copies.
         """
         self.transfers.wait_promotions()  # a pending promotion writes into the pool being copied
+        self.row_layout = None
         resident = table != 0
         count = int(resident.sum())
         old_slots = table[resident]
@@ -189,6 +201,47 @@ class PagedKV:
         self.table_changed()
         self.free = torch.arange(1 + count, 1 + count + spare, device=self.device).flip(0)
         self.n_free = spare
+
+    def arrange_rows(self, pages: torch.Tensor, headroom: int) -> None:
+        """Lay the resident pages out row by row, so that they are read in place instead of gathered.
+
+        `pages [N, M]` must be exactly the resident pages (each row's, each once: a tiered group right after its
+        tier move). Row r's page `pages[r, j]` moves to slot `1 + r * W + j` (`W = M + headroom`), and the free
+        stack becomes each row's next positions, first `M` for every row, so the pages opened until the next
+        ranking (one per row at a time) continue the rows. While that holds (`row_layout`; any other slot move
+        clears it), `row_view` gives the K/V of `pages` plus the pages opened since as views of the pools, in that
+        order: what gathering their slots gives, without the copy. One copy of the resident pages per ranking.
+        """
+        self.transfers.wait_promotions()  # the promoted pages must have landed before they are moved
+        n, m = pages.shape
+        width = m + headroom
+        need = 1 + n * width
+        old = self.slots_for(pages)
+        keys, values = gather_pages(self.k_pool, old), gather_pages(self.v_pool, old)  # copies
+        if self.k_pool.shape[0] != need:
+            self.k_pool = self.k_pool.new_zeros(need, *self.k_pool.shape[1:])
+            self.v_pool = self.v_pool.new_zeros(need, *self.v_pool.shape[1:])
+        self.k_pool[1:].view(n, width, *self.k_pool.shape[1:])[:, :m] = keys
+        self.v_pool[1:].view(n, width, *self.v_pool.shape[1:])[:, :m] = values
+        base = 1 + torch.arange(n, device=self.device)[:, None] * width  # [N, 1]
+        self.table.scatter_(1, pages, base + torch.arange(m, device=self.device))
+        self.table_changed()
+        # Stack top (the end) = position m of rows 0..N-1, below it position m + 1, ...
+        self.free = (base.view(1, n) + torch.arange(width - 1, m - 1, -1, device=self.device)[:, None]).reshape(-1)
+        self.n_free = self.free.numel()
+        self.row_layout = {"pages": pages, "width": width, "used": m}
+
+    def row_view(self, arranged: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """`(keys [N, m*P, D], values [N, m*P, Dv])` as views of the pools: the pages `arranged` (the tensor given to
+        `arrange_rows`, by identity) followed by the pages opened since, in that order, when the layout still holds
+        and they are `m` per row; else None (gather their slots instead)."""
+        layout = self.row_layout
+        if layout is None or layout["pages"] is not arranged or layout["used"] != m:
+            return None
+        n, width, p = arranged.shape[0], layout["width"], self.page_size
+        keys = self.k_pool[1:].view(n, width * p, self.head_dim)[:, : m * p]
+        values = self.v_pool[1:].view(n, width * p, self.value_dim)[:, : m * p]
+        return keys, values
 
     # -- writing ---------------------------------------------------------------------------------
     def append(self, keys: torch.Tensor, values: torch.Tensor, heads: torch.Tensor | None = None,

@@ -330,6 +330,7 @@ def sparse_decode_attention(
     logits: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     table: torch.Tensor | None = None,
+    row_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Decode attention of each row's query heads over the tokens of its selected pages.
 
@@ -362,23 +363,31 @@ def sparse_decode_attention(
             output, so the caller need not copy it there) and returned.
         table (`torch.Tensor` of shape `[N, Pcap]`, *optional*): the block table, to look the slots up from when
             `slots` is None (the Triton kernel does so in-kernel).
+        row_kv (`tuple`, *optional*): `(keys [N, M*P, D], values [N, M*P, Dv])`, the pages' tokens already laid out
+            per row (views of the pools: `PagedKV.row_view`); then nothing is gathered and `slots` is not read.
 
     Returns:
         `torch.Tensor` of shape `[N, G, D]` in the query's dtype.
     """
-    if slots is None:
-        slots = table.gather(1, page_idx.clamp(min=0)).masked_fill_(page_idx < 0, 0)  # unused entries: null block
-    n, m = slots.shape
+    n, m = page_idx.shape
     page_size, dim = k_pool.shape[1], k_pool.shape[2]
-    flat = slots.reshape(-1)
-    values = v_pool.index_select(0, flat) if workspace is None else workspace.gather(v_pool, flat, "v")
-    values = values.view(n, m * page_size, v_pool.shape[2])
+    if row_kv is None:
+        if slots is None:
+            slots = table.gather(1, page_idx.clamp(min=0)).masked_fill_(page_idx < 0, 0)  # unused entries: null block
+        flat = slots.reshape(-1)
+        values = v_pool.index_select(0, flat) if workspace is None else workspace.gather(v_pool, flat, "v")
+        values = values.view(n, m * page_size, v_pool.shape[2])
+    else:
+        values = row_kv[1]
     if logits is not None:  # computed (and masked) by the ranking: the keys are not read again
         if softcap is not None:
             raise ValueError("precomputed logits cannot be soft-capped after masking; pass logits=None with softcap.")
     else:
-        keys = k_pool.index_select(0, flat) if workspace is None else workspace.gather(k_pool, flat, "k")
-        keys = keys.view(n, m * page_size, dim)
+        if row_kv is not None:
+            keys = row_kv[0]
+        else:
+            keys = k_pool.index_select(0, flat) if workspace is None else workspace.gather(k_pool, flat, "k")
+            keys = keys.view(n, m * page_size, dim)
         if in_range and token_valid is None and softcap is None:
             logits = masked_logits(query, keys, page_idx, seq_len, scaling, workspace).float()  # [N, G, M*P]
         else:
