@@ -5,7 +5,9 @@
 - nothing is lost: the store's dense K/V equal those of a store that never arranged;
 - in a cache, generation gives bit for bit what it gives when every step gathers and what a store that never
   arranges gives, and the stable groups do read in place;
-- the residency check still stops a step whose selected page is not on the device.
+- the residency check still stops a step whose selected page is not on the device;
+- a refinement's candidate keys (`page_keys`) come from the host tier where a page is not resident, before and
+  after the arrangement.
 """
 
 from __future__ import annotations
@@ -144,3 +146,19 @@ def test_residency_check_still_stops_a_missing_page():
         with pytest.raises(FlexiCacheError, match="not resident"):
             model(input_ids=step, past_key_values=cache, use_cache=True,
                   attention_mask=torch.ones(1, 44, dtype=torch.long))
+
+
+def test_candidate_keys_come_from_the_host_where_not_resident():
+    store, g = _tiered_store(2)
+    full = store.dense()[0].reshape(store.rows, -1, D)  # every token's key, row by row
+    full = torch.nn.functional.pad(full, (0, 0, 0, store.num_pages * P - full.shape[1]))
+    want = full.view(store.rows, store.num_pages, P, D)
+    sel = _ranked(store, g)
+    everything = torch.arange(store.num_pages).expand(store.rows, -1).flip(1)  # most pages now host-only
+    for arranged in (False, True):
+        if arranged:
+            store.arrange_rows(sel, headroom=2)
+        got = store.page_keys(everything)
+        valid = store.length - (store.num_pages - 1) * P  # the page being filled holds this many tokens
+        assert torch.equal(got[:, 1:], want.flip(1)[:, 1:])
+        assert torch.equal(got[:, 0, :valid], want[:, -1, :valid])
