@@ -90,12 +90,15 @@ class HeadGroup:
 
     def _rank(self, query: torch.Tensor, page_valid: torch.Tensor | None, scaling: float,
               token_valid: torch.Tensor | None) -> torch.Tensor:
-        # Exact scoring and refinement read tokens: they need the padding mask per row (row = b * heads + h).
-        rows_valid = None if token_valid is None else token_valid.repeat_interleave(len(self.heads), dim=0)
+        # Exact scoring reads every token: it takes the padding mask per row (row = b * heads + h); refinement takes
+        # the step's mask and the rows per sequence (its bias table is shared by every layer of the step).
+        rows_valid = None
+        if token_valid is not None and self.selector.how == "exact":
+            rows_valid = token_valid.repeat_interleave(len(self.heads), dim=0)
         with self._timed("scoring"):
             scores = self.selector.scores(query, self.store, page_valid, scaling, rows_valid)
         with self._timed("selection"):
-            return self.selector.select(scores, query, self.store, scaling, rows_valid)
+            return self.selector.select(scores, query, self.store, scaling, token_valid, len(self.heads))
 
     def pages_for_step(
         self, step: int, query: torch.Tensor, page_valid: torch.Tensor | None, scaling: float = 1.0,

@@ -183,14 +183,16 @@ class PageSelector:
         return kernels.select_topk(scores, self.k)
 
     def select(self, scores: torch.Tensor, query: torch.Tensor, store, scaling: float,
-               token_valid_rows: torch.Tensor | None = None) -> torch.Tensor:
-        """The pages `[N, min(K, Np)]` chosen from `scores` (`scores()`), refined exactly when `refine_pages` is set."""
+               token_valid: torch.Tensor | None = None, rows_per_batch: int = 1) -> torch.Tensor:
+        """The pages `[N, min(K, Np)]` chosen from `scores` (`scores()`), refined exactly when `refine_pages` is set.
+
+        `token_valid [B, L]` (optional): the padding mask, row n of the store being sequence n // `rows_per_batch`."""
         self._chosen_logits = None
         if not self.refine or self.how == "exact" or scores.shape[-1] <= self.k:
             return self.choose(scores)
-        return self._refine(query, store, scores, scaling, token_valid_rows)
+        return self._refine(query, store, scores, scaling, token_valid, rows_per_batch)
 
-    def _refine(self, query, store, scores, scaling, token_valid_rows):
+    def _refine(self, query, store, scores, scaling, token_valid, rows_per_batch):
         """Top-C candidates by score, then the K with the most exact attention mass among them (forced pages kept)."""
         # The candidates [N, C] and their scores (+inf: forced, kept first; -inf: all padding, kept last) in one op.
         cand_scores, cand = torch.topk(scores, min(self.refine, scores.shape[-1]), dim=-1, sorted=False)
@@ -205,14 +207,14 @@ class PageSelector:
             else:  # every page is on the device: the kernel looks each candidate's slot up in the block table
                 pool, slots, table = store.k_pool, None, store.table
             mass = kernels.candidate_mass(query, pool, slots, cand, store.length, scaling, cand_scores,
-                                          token_valid_rows, backend="triton", table=table)
+                                          token_valid, rows_per_batch, backend="triton", table=table)
         else:
             # The candidates' logits are kept: the step's attention re-uses the chosen pages' (`take_logits`).
             keys = store.page_keys(cand, self.workspace)  # [N, C, P, D]
             logits = kernels.torch_backend.candidate_logits(query, keys, cand, store.length, scaling,
-                                                            token_valid_rows, workspace=self.workspace)
+                                                            token_valid, rows_per_batch, workspace=self.workspace)
             mass = kernels.torch_backend.mass_from_logits(logits, store.page_size, cand_scores,
-                                                          padded=token_valid_rows is not None)
+                                                          padded=token_valid is not None)
         top = torch.topk(mass, self.k, dim=-1).indices  # [N, K]
         chosen = cand.gather(1, top)
         if logits is not None:

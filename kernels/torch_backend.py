@@ -162,19 +162,42 @@ def past_end_bias(seq_len: int, page_size: int, device, dtype=torch.float32) -> 
 
 
 def masked_logits(query: torch.Tensor, keys: torch.Tensor, pages: torch.Tensor, seq_len: int, scaling: float,
-                  workspace: "GatherWorkspace | None" = None) -> torch.Tensor:
-    """`scaling * q.k` of the tokens of pages of the sequence, positions past `seq_len` at -inf, in two ops.
+                  workspace: "GatherWorkspace | None" = None, token_valid: torch.Tensor | None = None,
+                  rows_per_batch: int = 1) -> torch.Tensor:
+    """`scaling * q.k` of the tokens of pages of the sequence, positions past `seq_len` (and padding) at -inf.
 
     `query [N, G, D]`, `keys [N, M*P, D]` (the tokens of `pages [N, M]`, every entry in `[0, ceil(seq_len / P))`)
-    -> `[N, G, M*P]` in the keys' dtype: one lookup of the pages' rows of `past_end_bias` (shared by all calls of
-    one length through `workspace`) and one `baddbmm` that scales and masks as it multiplies.
+    -> `[N, G, M*P]` in the keys' dtype: one lookup of the pages' rows of a bias table and one `baddbmm` that
+    scales and masks as it multiplies. Without `token_valid` the table is `past_end_bias` (shared by all calls of
+    one length through `workspace`); with it (`[B, L]`, True = attend; row n is sequence n // `rows_per_batch`),
+    `padding_bias`, one row per (sequence, page), shared by all calls of one step through `workspace`, and the
+    lookup adds each row's sequence offset first (three ops).
     """
     n, m = pages.shape
     page_size = keys.shape[1] // m
-    table = (workspace.past_end_bias(seq_len, page_size, keys.device, keys.dtype) if workspace is not None
-             else past_end_bias(seq_len, page_size, keys.device, keys.dtype))
-    bias = table.index_select(0, pages.reshape(-1)).view(n, 1, m * page_size)
+    if token_valid is None:
+        table = (workspace.past_end_bias(seq_len, page_size, keys.device, keys.dtype) if workspace is not None
+                 else past_end_bias(seq_len, page_size, keys.device, keys.dtype))
+        index = pages.reshape(-1)
+    else:
+        table = (workspace.padding_bias(token_valid, seq_len, page_size, keys.dtype) if workspace is not None
+                 else padding_bias(token_valid, seq_len, page_size, keys.dtype))
+        pages_total = -(-seq_len // page_size)
+        first = torch.arange(n, device=pages.device) // rows_per_batch * pages_total  # each row's first table row
+        index = (pages + first[:, None]).reshape(-1)
+    bias = table.index_select(0, index).view(n, 1, m * page_size)
     return torch.baddbmm(bias, query.to(keys.dtype), keys.transpose(1, 2), alpha=scaling)
+
+
+def padding_bias(token_valid: torch.Tensor, seq_len: int, page_size: int, dtype=torch.float32) -> torch.Tensor:
+    """`[B * ceil(seq_len / P), P]`: row `b * pages + p` is 0 at the positions of page `p` that sequence `b` may
+    attend (`token_valid [B, L]` True and inside `seq_len`) and -inf elsewhere (padding, past the end)."""
+    b = token_valid.shape[0]
+    pages = -(-seq_len // page_size)
+    ok = torch.zeros(b, pages * page_size, dtype=torch.bool, device=token_valid.device)
+    ok[:, :seq_len] = token_valid[:, :seq_len]
+    bias = torch.zeros(b * pages, page_size, dtype=dtype, device=token_valid.device)
+    return bias.masked_fill_(~ok.view(b * pages, page_size), NEG_INF)
 
 
 def candidate_logits(query: torch.Tensor, keys: torch.Tensor, pages: torch.Tensor, seq_len: int, scaling: float,
@@ -182,14 +205,10 @@ def candidate_logits(query: torch.Tensor, keys: torch.Tensor, pages: torch.Tenso
                      workspace: "GatherWorkspace | None" = None):
     """fp32 logits `[N, G, C*P]` of the keys `[N, C, P, D]` of candidate pages `[N, C]` (pages of the sequence),
     scaled, with positions past `seq_len` and padding (`token_valid [B, L]`, optional, `rows_per_batch` rows per
-    sequence; `token_mask`) at -inf."""
+    sequence) at -inf, both as one bias inside the matmul (`masked_logits`)."""
     n, c, p, d = keys.shape
     flat = keys.view(n, c * p, d).float()
-    if token_valid is None:
-        return masked_logits(query.float(), flat, pages, seq_len, scaling, workspace)
-    logits = torch.matmul(query.float(), flat.transpose(1, 2)) * scaling
-    ok = token_mask(pages, p, seq_len, token_valid, rows_per_batch)
-    return logits.masked_fill(~ok[:, None, :], NEG_INF)
+    return masked_logits(query.float(), flat, pages, seq_len, scaling, workspace, token_valid, rows_per_batch)
 
 
 def mass_from_logits(logits: torch.Tensor, page_size: int, forced: torch.Tensor, padded: bool) -> torch.Tensor:
@@ -264,7 +283,8 @@ class GatherWorkspace:
     """
 
     def __init__(self):
-        self._buffers: dict = {}
+        self._buffers: dict = {}  # key -> tensor (only tensors: `nbytes` and `clear` see all of them)
+        self._stamps: dict = {}  # key -> what a cached table was built for (its length, its mask)
 
     def gather(self, pool: torch.Tensor, flat: torch.Tensor, name: str) -> torch.Tensor:
         """`pool[flat]` written into a reused buffer; valid until the next call with the same `name`."""
@@ -286,31 +306,42 @@ class GatherWorkspace:
         previous last row when a page is opened) instead of building the table anew (four ops) at every step.
         The returned view is valid until the next call with another length."""
         key = ("past_end_bias", page_size, torch.device(device), dtype, torch.is_inference_mode_enabled())
-        cached = self._buffers.get(key)
+        rows_key = key + ("rows",)  # row j: -inf from position j on (the last page holding j tokens)
+        table = self._buffers.get(key)
         pages = -(-seq_len // page_size)
         if pages == 0:
             return past_end_bias(seq_len, page_size, device, dtype)
-        if cached is None or cached["table"].shape[0] < pages:
-            ends = torch.arange(page_size + 1, device=device)[:, None]  # row j: a last page holding j tokens
+        if table is None or table.shape[0] < pages:
+            ends = torch.arange(page_size + 1, device=device)[:, None]
             rows = torch.zeros(page_size + 1, page_size, device=device, dtype=dtype)
-            rows.masked_fill_(torch.arange(page_size, device=device)[None, :] >= ends, NEG_INF)
-            table = torch.zeros(max(2 * pages, 64), page_size, device=device, dtype=dtype)
-            cached = {"length": seq_len, "rows": rows, "table": table}
-            cached["table"][pages - 1].copy_(cached["rows"][seq_len - (pages - 1) * page_size])
-            self._buffers[key] = cached
-        elif cached["length"] != seq_len:
-            old_pages = -(-cached["length"] // page_size)
-            if old_pages != pages:
-                cached["table"][old_pages - 1].zero_()
-            cached["table"][pages - 1].copy_(cached["rows"][seq_len - (pages - 1) * page_size])
-            cached["length"] = seq_len
-        return cached["table"][:pages]
+            self._buffers[rows_key] = rows.masked_fill_(torch.arange(page_size, device=device)[None, :] >= ends, NEG_INF)
+            table = self._buffers[key] = torch.zeros(max(2 * pages, 64), page_size, device=device, dtype=dtype)
+            old_length = None
+        else:
+            old_length = self._stamps[key]
+        if old_length != seq_len:
+            if old_length is not None and -(-old_length // page_size) != pages:
+                table[-(-old_length // page_size) - 1].zero_()
+            table[pages - 1].copy_(self._buffers[rows_key][seq_len - (pages - 1) * page_size])
+            self._stamps[key] = seq_len
+        return table[:pages]
+
+    def padding_bias(self, token_valid: torch.Tensor, seq_len: int, page_size: int, dtype=torch.float32):
+        """`padding_bias(token_valid, seq_len, page_size, dtype)`, built once per step: every layer and head group
+        gets the same padding mask object (`FlexiCache.padding_info`) and length, so only the latest is kept."""
+        key = ("padding_bias", page_size, token_valid.device, dtype, torch.is_inference_mode_enabled())
+        stamp = self._stamps.get(key)
+        if stamp is None or stamp[0] is not token_valid or stamp[1] != seq_len:
+            self._buffers[key] = padding_bias(token_valid, seq_len, page_size, dtype)
+            self._stamps[key] = (token_valid, seq_len)
+        return self._buffers[key]
 
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self._buffers.values() if isinstance(b, torch.Tensor))
 
     def clear(self) -> None:
         self._buffers.clear()
+        self._stamps.clear()
 
 
 def sparse_decode_attention(
@@ -351,11 +382,11 @@ def sparse_decode_attention(
         tail (`tuple`, *optional*): `(logits [N, G, T], values [N, T, Dv])`: extra softmax terms (already
             scaled, -inf to skip) standing for unselected pages (`fc_hf.selection.tail_terms`).
         in_range (`bool`, *optional*, defaults to False): the caller guarantees every `page_idx` entry is a page
-            of the sequence, in `[0, ceil(seq_len / P))` (no -1 entries). Then, without `token_valid` and
-            `softcap`, the mask is one lookup in a bias table of the positions past `seq_len` (shared by all calls
-            of one length through `workspace`) added inside the scaled matmul (`masked_logits`), and every row has
-            an attendable token, so no NaN from an empty row needs clearing (a NaN or inf in the inputs then
-            propagates, as in dense attention). Same result for finite inputs.
+            of the sequence, in `[0, ceil(seq_len / P))` (no -1 entries). Then, without `softcap`, the mask is one
+            lookup in a bias table of the positions past `seq_len` (and, with `token_valid`, of the padding; shared
+            by all calls of one step through `workspace`) added inside the scaled matmul (`masked_logits`); without
+            `token_valid` every row has an attendable token, so no NaN from an empty row needs clearing (a NaN or
+            inf in the inputs then propagates, as in dense attention). Same result for finite inputs.
         logits (`torch.Tensor` of shape `[N, G, M*P]`, *optional*): the scaled fp32 logits of exactly these pages'
             tokens, in this order, with every non-attendable position already at -inf (the ranking computed them:
             `fc_hf.selection.PageSelector` with refinement). The keys are then not read; not with `softcap`.
@@ -388,8 +419,9 @@ def sparse_decode_attention(
         else:
             keys = k_pool.index_select(0, flat) if workspace is None else workspace.gather(k_pool, flat, "k")
             keys = keys.view(n, m * page_size, dim)
-        if in_range and token_valid is None and softcap is None:
-            logits = masked_logits(query, keys, page_idx, seq_len, scaling, workspace).float()  # [N, G, M*P]
+        if in_range and softcap is None:
+            logits = masked_logits(query, keys, page_idx, seq_len, scaling, workspace, token_valid,
+                                   rows_per_batch).float()  # [N, G, M*P]
         else:
             logits = torch.matmul(query.to(keys.dtype), keys.transpose(1, 2)).float() * scaling
             if softcap is not None:

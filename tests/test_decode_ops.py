@@ -78,6 +78,53 @@ def test_past_end_bias():
     assert tb.past_end_bias(10, 4, "cpu", torch.bfloat16).dtype == torch.bfloat16
 
 
+@pytest.mark.parametrize("rows_per_batch", [1, 3])
+def test_padded_attention_through_one_bias_is_bit_identical(rows_per_batch):
+    """With a padding mask, the in-range path (a (sequence, page) bias table looked up and added inside the scaled
+    matmul) equals the general path (matmul, scale, position mask, `masked_fill`), and so do the refinement's
+    candidate logits against that formula."""
+    g = torch.Generator().manual_seed(rows_per_batch)
+    b, groups, d, p, seq_len = 2, 3, 16, 8, 61
+    n, pages = b * rows_per_batch, -(-61 // 8)
+    token_valid = torch.ones(b, seq_len, dtype=torch.bool)
+    token_valid[0, :13] = False  # left padding of sequence 0 (its first page all padding, its second partly)
+    slots = 1 + torch.randperm(n * pages, generator=g).view(n, pages)
+    k_pool = torch.randn(n * pages + 1, p, d, generator=g)
+    v_pool = torch.randn(n * pages + 1, p, d, generator=g)
+    query = torch.randn(n, groups, d, generator=g)
+    # The page being filled, page 0 (all padding in sequence 0) and three others, per row.
+    others = torch.stack([1 + torch.randperm(pages - 2, generator=g)[:3] for _ in range(n)])
+    idx = torch.cat([torch.full((n, 1), pages - 1), torch.zeros(n, 1, dtype=torch.long), others], 1)
+    sl = slots.gather(1, idx)
+    ref = tb.sparse_decode_attention(query, k_pool, v_pool, sl, idx, seq_len, 0.25, token_valid, rows_per_batch)
+    ws = tb.GatherWorkspace()
+    for workspace in (None, ws, ws):  # twice through the workspace: its table is built once
+        out = tb.sparse_decode_attention(query, k_pool, v_pool, sl, idx, seq_len, 0.25, token_valid, rows_per_batch,
+                                         workspace=workspace, in_range=True)
+        assert torch.equal(_bits(out), _bits(ref))
+    keys = k_pool.index_select(0, sl.reshape(-1)).view(n, 5, p, d)
+    ok = tb.token_mask(idx, p, seq_len, token_valid, rows_per_batch)
+    want = (torch.matmul(query, keys.view(n, 5 * p, d).transpose(1, 2)) * 0.25).masked_fill(~ok[:, None], float("-inf"))
+    got = tb.candidate_logits(query, keys, idx, seq_len, 0.25, token_valid, rows_per_batch, workspace=ws)
+    assert torch.equal(_bits(got), _bits(want))
+    # The padding is masked: sequence 0's rows lose at least page 0 (8 positions) on top of the 3 past the end.
+    masked = torch.isinf(got).sum(-1)
+    assert (masked[:rows_per_batch] >= 11).all() and (masked[rows_per_batch:] == 3).all()
+
+
+def test_shared_padding_bias_is_built_once_per_step():
+    ws = tb.GatherWorkspace()
+    token_valid = torch.ones(2, 20, dtype=torch.bool)
+    token_valid[1, :6] = False
+    first = ws.padding_bias(token_valid, 19, 4)
+    assert ws.padding_bias(token_valid, 19, 4) is first  # the same mask and length: the same table
+    assert torch.equal(first, tb.padding_bias(token_valid, 19, 4))
+    assert first.shape == (2 * 5, 4) and torch.isinf(first[5 + 1]).tolist() == [True, True, False, False]
+    assert torch.isinf(first[4]).tolist() == [False, False, False, True]  # sequence 0, past the end
+    assert ws.padding_bias(token_valid, 20, 4) is not first  # a new length: rebuilt
+    assert torch.equal(ws.padding_bias(token_valid.clone(), 20, 4), tb.padding_bias(token_valid, 20, 4))
+
+
 def test_shared_past_end_bias_follows_the_length():
     """The workspace's one table, rewritten in place as the length moves (within a page, to a new page, back, past
     its capacity), always equals a freshly built table."""
