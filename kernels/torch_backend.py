@@ -183,10 +183,16 @@ def masked_logits(query: torch.Tensor, keys: torch.Tensor, pages: torch.Tensor, 
         table = (workspace.padding_bias(token_valid, seq_len, page_size, keys.dtype) if workspace is not None
                  else padding_bias(token_valid, seq_len, page_size, keys.dtype))
         pages_total = -(-seq_len // page_size)
-        first = torch.arange(n, device=pages.device) // rows_per_batch * pages_total  # each row's first table row
-        index = (pages + first[:, None]).reshape(-1)
+        first = (workspace.row_offsets(n, rows_per_batch, pages_total, pages.device) if workspace is not None
+                 else row_offsets(n, rows_per_batch, pages_total, pages.device))
+        index = (pages + first).reshape(-1)
     bias = table.index_select(0, index).view(n, 1, m * page_size)
     return torch.baddbmm(bias, query.to(keys.dtype), keys.transpose(1, 2), alpha=scaling)
+
+
+def row_offsets(rows: int, rows_per_batch: int, pages: int, device) -> torch.Tensor:
+    """`[rows, 1]`: each row's first row in a `padding_bias` table of `pages` pages per sequence."""
+    return (torch.arange(rows, device=device) // rows_per_batch * pages)[:, None]
 
 
 def padding_bias(token_valid: torch.Tensor, seq_len: int, page_size: int, dtype=torch.float32) -> torch.Tensor:
@@ -334,6 +340,14 @@ class GatherWorkspace:
         if stamp is None or stamp[0] is not token_valid or stamp[1] != seq_len:
             self._buffers[key] = padding_bias(token_valid, seq_len, page_size, dtype)
             self._stamps[key] = (token_valid, seq_len)
+        return self._buffers[key]
+
+    def row_offsets(self, rows: int, rows_per_batch: int, pages: int, device) -> torch.Tensor:
+        """`row_offsets(rows, rows_per_batch, pages, device)`, kept until the page count changes (one per group size)."""
+        key = ("row_offsets", rows, rows_per_batch, torch.device(device), torch.is_inference_mode_enabled())
+        if self._stamps.get(key) != pages:
+            self._buffers[key] = row_offsets(rows, rows_per_batch, pages, device)
+            self._stamps[key] = pages
         return self._buffers[key]
 
     def nbytes(self) -> int:
