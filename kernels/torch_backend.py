@@ -326,8 +326,9 @@ class GatherWorkspace:
         else:
             old_length = self._stamps[key]
         if old_length != seq_len:
-            if old_length is not None and -(-old_length // page_size) != pages:
-                table[-(-old_length // page_size) - 1].zero_()
+            old_pages = None if old_length is None else -(-old_length // page_size)
+            if old_pages is not None and old_pages != pages:  # the old last page is full now: no -inf left in it
+                table[old_pages - 1].zero_()
             table[pages - 1].copy_(self._buffers[rows_key][seq_len - (pages - 1) * page_size])
             self._stamps[key] = seq_len
         return table[:pages]
