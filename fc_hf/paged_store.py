@@ -144,9 +144,11 @@ class PagedKV:
             else:
                 self.row_layout = None
         if count > self.n_free:
-            # Spare pages per row: ~1.5% of what is held, at most `grow_pages`, so the allocation
-            # tracks the real size closely and regrowth (a copy) stays rare.
-            spare = min(self.grow_pages, max(1, self.num_pages // 64))
+            # Spare pages per row: ~1.5% of what is held once this allocation is made (a prefill's pages
+            # count too), at most `grow_pages`, so the allocation tracks the real size closely and
+            # regrowth (a copy of the whole pool) stays rare.
+            held = (self.slots_in_use() + count) // self.rows
+            spare = min(self.grow_pages, max(1, held // 64))
             self._grow_pool(count - self.n_free + spare * self.rows)
         self.n_free -= count
         return self.free[self.n_free : self.n_free + count].clone()

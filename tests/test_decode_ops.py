@@ -200,6 +200,25 @@ def test_decode_append_stores_what_a_bulk_append_stores(tiered):
         assert torch.equal(bulk.host_k[: bulk.host_pages], step.host_k[: step.host_pages])
 
 
+def test_a_long_prompt_leaves_spare_pages_for_decoding():
+    """A prefill's allocation keeps ~1.5% spare pages per row (at most `grow_pages`): regrowing copies the whole
+    pool, so it must not fall on one of the first decode steps (it did: the spare was sized from the pages held
+    before the prompt's were allocated, one page, and a 32k-token batch of 4 regrew every unstable pool at step 17).
+    """
+    d, p, pages = 4, 4, 640
+    store = PagedKV(2, 1, p, d, d, torch.float32, torch.device("cpu"), tiered=False)
+    keys = torch.randn(2, 1, pages * p, d)
+    store.append(keys, keys)
+    spare = store.n_free // store.rows
+    assert spare == 10  # 640 // 64
+    pool = store.k_pool
+    for _ in range(spare * p):  # decode until every spare page is taken: no regrowth
+        store.append(keys[:, :, :1], keys[:, :, :1])
+    assert store.k_pool is pool
+    store.append(keys[:, :, :1], keys[:, :, :1])  # the next page needs a new slot per row: now it regrows
+    assert store.k_pool is not pool and store.n_free // store.rows == min(store.grow_pages, store.num_pages // 64)
+
+
 def test_plain_decode_step_ops_per_layer_stay_low():
     """A regression guard for issue 17's counts at smoke size (tiny model, 2 KV heads, one mixed layer).
 
