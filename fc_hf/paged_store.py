@@ -27,7 +27,7 @@ import torch
 
 from . import kernels
 from .errors import FlexiCacheError
-from .transfer import PageTransfers
+from .transfer import PageTransfers, host_work, to_device, to_host
 
 
 def _grow_dim(t: torch.Tensor, dim: int, new_size: int, fill=0) -> torch.Tensor:
@@ -356,15 +356,19 @@ class PagedKV:
         slots = self.table.gather(1, pages)
         keys = gather_pages(self.k_pool, slots, workspace, "candidate_keys")
         if self.tiered and self.host_pages:
-            off = (slots == 0) & (pages < self.host_pages)
-            if bool(off.any()):
-                self.transfers.sync_host()
-                rows, cols = off.nonzero(as_tuple=True)
+            # Which candidates are on the host only, worked out on the host from one copy (one host sync on CUDA).
+            host_pages, host_slots = to_host(pages, slots)
+            with host_work:
+                rows, cols = ((host_slots == 0) & (host_pages < self.host_pages)).nonzero(as_tuple=True)
                 # Flat row indices into both sides: one `index_select` and one `index_copy_` (advanced indexing with
                 # two index tensors on each side took ~1.6x as long: 1.43 vs 0.91 ms for 12 rows x 128 candidates).
-                host = self.host_k.view(-1, self.page_size, self.head_dim)
-                found = host.index_select(0, (pages[rows, cols] * self.rows + rows).cpu()).to(self.device)
-                keys.view(-1, self.page_size, self.head_dim).index_copy_(0, rows * pages.shape[1] + cols, found)
+                host_rows = host_pages[rows, cols] * self.rows + rows
+                dst = rows * pages.shape[1] + cols
+            if host_rows.numel():
+                self.transfers.sync_host()
+                found = self.host_k.view(-1, self.page_size, self.head_dim).index_select(0, host_rows)
+                keys.view(-1, self.page_size, self.head_dim).index_copy_(
+                    0, to_device(dst, self.device), to_device(found, self.device))
         return keys
 
     def dense(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -387,11 +391,15 @@ class PagedKV:
 
     # -- tier moves ------------------------------------------------------------------------------
     def promote(self, rows: torch.Tensor, pages: torch.Tensor, slots: torch.Tensor) -> None:
-        """Copy host pages (row, page) into device slots `slots` (evicted slots being reused); the caller owns the table."""
+        """Copy host pages (row, page) into device slots `slots` (evicted slots being reused); the caller owns the table.
+
+        `rows`, `pages` `[C]` are host tensors (the tier move's plan, `fc_hf.transfer.to_host`), `slots` `[C]` is on the
+        device."""
         if rows.numel() == 0:
             return
         self.transfers.wait_offloads()
-        host_index = pages * self.rows + rows
+        with host_work:  # `rows` and `pages` are host tensors (the tier move's plan)
+            host_index = pages * self.rows + rows
         self.transfers.promote(
             self.k_pool,
             self.v_pool,

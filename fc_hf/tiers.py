@@ -13,6 +13,7 @@ import math
 import torch
 
 from . import kernels
+from .transfer import host_work, to_device, to_host
 
 
 def move_tiers(store, old_pages: torch.Tensor, new_sel: torch.Tensor) -> int:
@@ -20,19 +21,24 @@ def move_tiers(store, old_pages: torch.Tensor, new_sel: torch.Tensor) -> int:
 
     Copies only the promoted pages host -> device; returns how many were promoted.
     """
+    device = store.device
     old_slots = store.slots_for(old_pages)
-    # The page being filled has no host copy yet; it is always selected, so it is never evicted.
-    new_slots, p_rows, p_pages, p_slots, freed = kernels.promotion_plan(old_pages, old_slots, new_sel)
+    # The plan (a few hundred indices) is worked out on the host from one copy: one host sync on CUDA per tier move,
+    # not one per `nonzero` and check in it. The page being filled has no host copy yet; it is always selected, so it
+    # is never evicted.
+    host_old, host_slots, host_new = to_host(old_pages, old_slots, new_sel)
+    with host_work:
+        new_slots, p_rows, p_pages, p_slots, freed = kernels.promotion_plan(host_old, host_slots, host_new)
     if freed.numel():
         store.transfers.wait_offloads()  # a dropped page's host copy must have landed
     # Rewrite the table: old entries out, new entries in (kept pages keep their slot, promoted pages
     # take an evicted page's slot), then copy only the promoted pages host -> device.
-    rows = torch.arange(store.rows, device=store.device)[:, None]
+    rows = torch.arange(store.rows, device=device)[:, None]
     store.table[rows.expand_as(old_pages), old_pages] = 0
-    store.table[rows.expand_as(new_sel), new_sel] = new_slots
+    store.table[rows.expand_as(new_sel), new_sel] = to_device(new_slots, device)
     store.table_changed()
-    store.release(freed)
-    store.promote(p_rows, p_pages, p_slots)
+    store.release(to_device(freed, device))
+    store.promote(p_rows, p_pages, to_device(p_slots, device))
     return int(p_rows.numel())
 
 

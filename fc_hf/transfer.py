@@ -23,6 +23,49 @@ from __future__ import annotations
 import torch
 
 
+def to_host(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The tensors (integer indices, one dtype) on the host, through one device -> host copy: one host sync on CUDA.
+
+    A tier move decides which pages move from a few hundred indices per head group; worked out on the host from one
+    copy (`with host_work:`), it syncs once instead of at every `nonzero`, mask and check of that work. On a CPU the
+    tensors are returned as they are."""
+    if all(t.device.type == "cpu" for t in tensors):
+        if HostWork.observer is not None:  # a CPU run has no copy to see: `flexicache bench ops` counts the call
+            HostWork.observer()
+        return tensors
+    return one_copy_to_host(tensors)
+
+
+def one_copy_to_host(tensors) -> tuple[torch.Tensor, ...]:
+    """`to_host`'s copy: the tensors flattened into one, copied once, split back into their shapes."""
+    flat = torch.cat([t.reshape(-1) for t in tensors]).cpu()
+    return tuple(part.view(t.shape) for part, t in zip(flat.split([t.numel() for t in tensors]), tensors))
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor (from `to_host`'s work) on `device`, without waiting for the device (a pageable source is staged
+    before the copy returns, so it may be freed at once); `t` itself where it is there already."""
+    return t.to(device, non_blocking=True)
+
+
+class HostWork:
+    """`with host_work:` marks index work on `to_host`'s tensors: CPU ops, neither device kernels nor syncs on CUDA.
+
+    `flexicache bench ops` counts the ops inside apart (on a CPU run it cannot tell a host tensor from a device one)."""
+
+    active = 0  # blocks open now (read by the ops count)
+    observer = None  # called by `to_host` on tensors already on the host, when set (by the ops count)
+
+    def __enter__(self):
+        HostWork.active += 1
+
+    def __exit__(self, *exc):
+        HostWork.active -= 1
+
+
+host_work = HostWork()
+
+
 class CudaStreams:
     """The CUDA primitives: copies on one low-priority side stream, completion events."""
 

@@ -29,6 +29,35 @@ def test_views_and_allocations_are_not_counted_compute_and_syncs_are():
     assert dict(c.syncs) == {"_local_scalar_dense": 1, "index(bool mask)": 1, "nonzero": 1}
 
 
+def test_host_copies_count_as_syncs_and_host_work_apart():
+    """A `to_host` copy is one sync even on a CPU run (where it issues no op); ops inside `host_work` run on the
+    host on CUDA too, so they are counted apart, neither as kernel launches nor as syncs."""
+    from fc_hf.transfer import HostWork, host_work, to_host
+
+    x = torch.arange(6)
+    c = bench_ops.OpCounter()
+    HostWork.observer = c.count_host_copy
+    try:
+        with c:
+            (h,) = to_host(x)
+            with host_work:
+                h.nonzero()  # a sync were it on the device
+                h + 1
+            x + 1  # 1
+    finally:
+        HostWork.observer = None
+    assert dict(c.syncs) == {"device->host copy": 1}
+    assert c.host_ops == 2 and c.ops[("outside",)] == 1
+
+
+def test_one_copy_to_host_keeps_every_tensor():
+    from fc_hf.transfer import one_copy_to_host
+
+    a, b, c = torch.arange(6).view(2, 3), torch.arange(10, 16).view(2, 3), torch.arange(20, 28).view(2, 4)
+    got = one_copy_to_host((a, b, c))
+    assert all(torch.equal(x, y) for x, y in zip(got, (a, b, c)))
+
+
 @pytest.fixture(scope="module")
 def tiny():
     config = bench_common.model_config("tiny", max_positions=1024)
@@ -57,6 +86,14 @@ def test_counts_per_method_and_step_kind(tiny):
     # The steady state issues no host sync (CUDA's defaults: residency check off).
     for m in ("dense", "quest", "flexicache"):
         assert s[m]["plain"]["syncs_per_step"] == 0, (m, s[m]["plain"]["sync_kinds"])
+    # A re-rank's tier moves (stable groups) sync once each for their plan and once for their host-only candidates
+    # (6 syncs per group before: nonzeros, masks and checks on the device).
+    _, config, profile = tiny
+    tiered = sum(len([h for l, h in profile.unstable if l == layer]) < config.num_key_value_heads
+                 for layer in range(config.num_hidden_layers))
+    rerank = s["flexicache"]["rerank"]
+    assert rerank["sync_kinds"] == {"device->host copy": 2 * tiered}, rerank["sync_kinds"]
+    assert rerank["host_ops_per_step"] > 0 and s["flexicache"]["plain"]["host_ops_per_step"] == 0
     assert all(c["steps"][0]["outside_ops"] > 0 for c in cases.values())
     table = bench_ops.markdown_table(list(cases.values()))
     assert "| tiny | flexicache | torch | plain |" in table and "1.00×" in table

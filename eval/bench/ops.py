@@ -22,7 +22,11 @@ device - `_local_scalar_dense` (`.item()`, `int(t)`, `float(t)`, `bool(t)`, `if 
 with a bool or uint8 index (a mask: its nonzero is taken on the device), and copies from a CUDA tensor
 to the CPU (`_to_copy`, `copy_`); plus `Tensor.tolist()` calls (patched for the count; `.tolist()` of a
 CPU tensor issues no aten op). On a CPU run a device -> host copy cannot be told apart from any other
-copy (both tensors are CPU tensors), so it is not counted there; everything else is.
+copy (both tensors are CPU tensors), so it is not counted there, except the deliberate ones of
+`fc_hf.transfer.to_host` (the tier move's plan and the host-only candidates' look-up: one copy each,
+counted as "device->host copy" whatever the device). The index work FlexiCache does on those host
+copies (`with fc_hf.transfer.host_work:`) runs on the CPU on CUDA too: its ops are counted apart, as
+"host-side ops" per step, neither as kernel launches nor as syncs.
 
 Methods: dense (`DynamicCache` + sdpa), quest (FlexiCache, `profile=None`: every head re-ranked every
 step, one tier) and flexicache (the shipped profile for SmolLM2's shape, else `common.spread_profile` with
@@ -65,6 +69,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fc_hf.compat import cache_kwarg
+from fc_hf.transfer import HostWork
 
 from ..methods import make_cache, parse_cache_options, prepare_model
 from .common import bench_profile, build_model, decode_step, environment, ingest_random_kv, log, model_config, write_json
@@ -145,6 +150,7 @@ class OpCounter(TorchDispatchMode):
         self.ops: Counter = Counter()  # region -> ops
         self.by_op: Counter = Counter()  # op name -> count, inside decoder layers only
         self.syncs: Counter = Counter()  # sync kind -> count (whole step)
+        self.host_ops = 0  # ops on host tensors inside `fc_hf.transfer.host_work` (whole step; not in `ops`)
         self.triton: Counter = Counter()  # Triton kernel name -> launches, by region part
         self.triton_regions: Counter = Counter()
 
@@ -153,7 +159,10 @@ class OpCounter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if not self.paused and is_counted(func):
+        if HostWork.active:  # index work on host tensors: CPU ops on CUDA too, no kernel and no sync
+            if not self.paused and is_counted(func):
+                self.host_ops += 1
+        elif not self.paused and is_counted(func):
             region = self.region()
             self.ops[region] += 1
             if self.layer is not None:
@@ -162,6 +171,11 @@ class OpCounter(TorchDispatchMode):
             if kind is not None:
                 self.syncs[kind] += 1
         return func(*args, **kwargs)
+
+    def count_host_copy(self):
+        """`fc_hf.transfer.to_host` on a CPU run, where its device -> host copy (one sync on CUDA) issues no op."""
+        if not self.paused:
+            self.syncs["device->host copy"] += 1
 
     def count_tolist(self):
         if not self.paused:
@@ -227,11 +241,13 @@ def _instrumented(model, cache, counter: OpCounter):
         return original_tolist(self, *a, **k)
 
     torch.Tensor.tolist = tolist
+    HostWork.observer = counter.count_host_copy
     restore_triton = _count_triton_launches(counter)
     try:
         yield
     finally:
         restore_triton()
+        HostWork.observer = None
         torch.Tensor.tolist = original_tolist
         ALL_ATTENTION_FUNCTIONS.register(impl, original_attn)
         del cache.update
@@ -325,7 +341,7 @@ def count_case(model, config, method: str, budget: int, prompt: int, steps: int,
                     "outside_ops": counter.ops[("outside",)],
                     "triton_launches": sum(counter.triton.values()), "triton_layer_launches": tri_layer,
                     "triton": dict(counter.triton),
-                    "syncs": dict(counter.syncs), "by_op": dict(counter.by_op),
+                    "syncs": dict(counter.syncs), "by_op": dict(counter.by_op), "host_ops": counter.host_ops,
                 })
         del cache
     return {"method": method, "budget": budget if method != "dense" else None, "backend": backend if method != "dense"
@@ -360,6 +376,7 @@ def summarize(case: dict) -> dict:
             "cache_attn_per_layer": sum(s["cache_ops"] + s["attn_ops"] + s["triton_layer_launches"] for s in steps) / n / layers,
             "outside_per_step": sum(s["outside_ops"] for s in steps) / n,
             "syncs_per_step": sum(syncs.values()) / n,
+            "host_ops_per_step": sum(s.get("host_ops", 0) for s in steps) / n,
             "sync_kinds": {k: v / n for k, v in sorted(syncs.items())},
             "top_ops_per_layer": {k: round(v / n / layers, 2) for k, v in by_op.most_common(25)},
             "min_ops_per_layer": min(s["layer_ops"] + s["triton_layer_launches"] for s in steps) / layers,
@@ -427,6 +444,8 @@ def markdown_table(results: list[dict], kinds=("plain", "rerank", "period")) -> 
             syncs = _fmt(s["syncs_per_step"], 1)
             if s["sync_kinds"]:
                 syncs += " (" + ", ".join(f"{k} {v:g}" for k, v in s["sync_kinds"].items()) + ")"
+            if s.get("host_ops_per_step"):
+                syncs += f"; host-side ops {s['host_ops_per_step']:g}"
             lines.append("| " + " | ".join([
                 r["shape"], r["method"], backend if r["method"] != "dense" else "torch (sdpa)", kind,
                 _fmt(s["ops_per_layer"]), _fmt(ratio, 2) + "×" if ratio else "–", _fmt(s["cache_attn_per_layer"]),
