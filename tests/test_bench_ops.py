@@ -115,6 +115,34 @@ def test_a_planted_item_is_counted_once_per_group_and_layer(tiny, monkeypatch):
     assert plain["sync_kinds"] == {"_local_scalar_dense": groups}
 
 
+def test_a_left_padded_batch_is_counted_with_its_mask(tiny, monkeypatch):
+    """`--ops-padded-batch`: the decode steps get the batch's padding mask, so FlexiCache takes its padded path; it
+    adds one sync per step to dense's (its check of the step's mask for padding, made once per step for all layers)."""
+    from fc_hf import FlexiCache
+
+    seen = []
+    original = FlexiCache.padding_info
+
+    def padding_info(self, *args, **kwargs):
+        token_valid, page_valid = original(self, *args, **kwargs)
+        seen.append(token_valid is not None)
+        return token_valid, page_valid
+
+    monkeypatch.setattr(FlexiCache, "padding_info", padding_info)
+    mask = bench_ops.padding_mask(3, 10, 4)
+    assert mask.sum(1).tolist() == [10, 8, 6] and bench_ops.padding_mask(1, 10, 4) is None
+    model, config, profile = tiny
+    got = {}
+    for method in ("dense", "flexicache"):
+        case = bench_ops.count_case(model, config, method, BUDGET, PROMPT, 4, profile if method != "dense" else None,
+                                    batch=3, padding=40)
+        assert case["batch"] == 3 and case["padding"] == 40
+        got[method] = case["steps"][1:]
+    for dense, flexi in zip(got["dense"], got["flexicache"]):
+        assert sum(flexi["syncs"].values()) == sum(dense["syncs"].values()) + 1, (dense["syncs"], flexi["syncs"])
+    assert seen and all(seen)  # every decode step of FlexiCache saw padding
+
+
 def test_residency_check_shows_up_as_syncs(tiny):
     model, config, _ = tiny
     case = bench_ops.count_case(model, config, "quest", BUDGET, PROMPT, 4, None, residency_check=True)

@@ -104,6 +104,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="ops suite, Triton rows: context tokens (the interpreter is slow; same structure as the torch rows)")
     p.add_argument("--ops-triton-budget", type=int, default=256, help="ops suite, Triton rows: token budget")
     p.add_argument("--ops-triton-steps", type=int, default=17, help="ops suite, Triton rows: decode steps counted")
+    p.add_argument("--ops-padded-batch", type=int, default=0,
+                   help="ops suite: also count each shape as a left-padded batch of this size (PyTorch path; 0: off)")
+    p.add_argument("--ops-padding", type=int, default=120, help="ops suite: padding tokens of the padded batch's last row")
     p.add_argument("--ops-cache-options", default="",
                    help='ops suite: FlexiCacheConfig fields for quest and flexicache, e.g. "refine_pages=0,sink_pages=0"')
     p.add_argument("--ops-baseline", default=None,

@@ -146,10 +146,15 @@ def ingest_random_kv(cache, config, batch: int, length: int, dtype=torch.float32
         del k, v
 
 
-def decode_step(model, cache, kwarg: str, token: torch.Tensor, position: int) -> torch.Tensor:
-    """One greedy decode step at absolute `position`; returns the next token `[B, 1]`."""
+def decode_step(model, cache, kwarg: str, token: torch.Tensor, position: int,
+                attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """One greedy decode step at absolute `position`; returns the next token `[B, 1]`.
+
+    `attention_mask` (`[B, >= position + 1]`, optional): the padding mask of a left-padded batch; its first
+    `position + 1` columns are passed."""
     pos = torch.tensor([position], device=token.device)
-    out = model(input_ids=token, use_cache=True, cache_position=pos, logits_to_keep=1, **{kwarg: cache})
+    mask = {} if attention_mask is None else {"attention_mask": attention_mask[:, : position + 1]}
+    out = model(input_ids=token, use_cache=True, cache_position=pos, logits_to_keep=1, **mask, **{kwarg: cache})
     return out.logits[:, -1:].argmax(-1)
 
 

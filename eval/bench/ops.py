@@ -304,11 +304,23 @@ def _step_kind(step: int, prompt: int, page_size: int, rerank: int) -> str:
     return "plain"
 
 
+def padding_mask(batch: int, length: int, padding: int) -> torch.Tensor | None:
+    """`[batch, length]` mask of a left-padded batch: row b starts with `round(b * padding / (batch - 1))` padding
+    tokens (row 0 none, the last row `padding`); None without padding."""
+    if not padding or batch < 2:
+        return None
+    mask = torch.ones(batch, length, dtype=torch.long)
+    for b in range(batch):
+        mask[b, : round(b * padding / (batch - 1))] = 0
+    return mask
+
+
 def count_case(model, config, method: str, budget: int, prompt: int, steps: int, profile, backend: str = "torch",
-               residency_check: bool = False, options: dict | None = None) -> dict:
+               residency_check: bool = False, options: dict | None = None, batch: int = 1, padding: int = 0) -> dict:
     """Count ops and syncs of decode steps 1..`steps` of `method` after a `prompt`-token random-K/V prefill.
 
-    `options`: `FlexiCacheConfig` fields for the FlexiCache methods (the defaults otherwise)."""
+    `options`: `FlexiCacheConfig` fields for the FlexiCache methods (the defaults otherwise). `batch` sequences;
+    with `padding`, left-padded ones (`padding_mask`: the decode steps get the mask, as in a padded generation)."""
     from fc_hf.config import FlexiCacheConfig
 
     base = FlexiCacheConfig(backend=backend, **(options or {}))
@@ -320,14 +332,15 @@ def count_case(model, config, method: str, budget: int, prompt: int, steps: int,
         cache = make_cache(method, config, budget, profile, base=base, dense_cache=True)
         if method != "dense":
             cache.check_residency = residency_check
-        ingest_random_kv(cache, config, 1, prompt)
-        token = torch.randint(1, config.vocab_size, (1, 1), generator=torch.Generator().manual_seed(0))
+        ingest_random_kv(cache, config, batch, prompt)
+        mask = padding_mask(batch, prompt + steps, padding)
+        token = torch.randint(1, config.vocab_size, (batch, 1), generator=torch.Generator().manual_seed(0))
         counter = OpCounter()
         with _instrumented(model, cache, counter):
             for step in range(1, steps + 1):
                 counter.reset()
                 with counter:
-                    token = decode_step(model, cache, kwarg, token, prompt + step - 1)
+                    token = decode_step(model, cache, kwarg, token, prompt + step - 1, mask)
                 layer_ops = sum(n for r, n in counter.ops.items() if r[0] == "layer")
                 part = Counter()
                 for r, n in counter.ops.items():
@@ -345,7 +358,7 @@ def count_case(model, config, method: str, budget: int, prompt: int, steps: int,
                 })
         del cache
     return {"method": method, "budget": budget if method != "dense" else None, "backend": backend if method != "dense"
-            else "torch", "layers": layers, "prompt": prompt, "steps": per_step}
+            else "torch", "layers": layers, "prompt": prompt, "batch": batch, "padding": padding, "steps": per_step}
 
 
 def summarize(case: dict) -> dict:
@@ -395,10 +408,12 @@ def worker(spec: dict) -> int:
     for method in spec["methods"]:
         if spec["backend"] == "triton" and method == "dense":
             continue
+        batch, padding = spec.get("batch", 1), spec.get("padding", 0)
         case = count_case(model, config, method, spec["budget"], spec["prompt"], spec["steps"],
                           profile if method == "flexicache" else None, spec["backend"], spec["residency_check"],
-                          spec.get("options"))
-        case.update(shape=spec["shape"], profile=label if method == "flexicache" else None,
+                          spec.get("options"), batch, padding)
+        shape = spec["shape"] + (f" b{batch} padded" if padding_mask(batch, 2, padding) is not None else "")
+        case.update(shape=shape, profile=label if method == "flexicache" else None,
                     summary=summarize(case), env=environment())
         print(json.dumps(case), flush=True)
     return 0
@@ -503,6 +518,10 @@ def suite_ops(args, out: Path) -> list[dict]:
                     "options": options}
             log(f"bench ops: {shape} {backend} ({', '.join(methods)})")
             results.extend(_run_worker(spec, args.timeout))
+            if args.ops_padded_batch > 1 and not tri:  # the same shape as a left-padded batch (PyTorch path only)
+                padded = {**spec, "batch": args.ops_padded_batch, "padding": args.ops_padding}
+                log(f"bench ops: {shape} {backend}, left-padded batch of {args.ops_padded_batch}")
+                results.extend(_run_worker(padded, args.timeout))
     table = markdown_table(results)
     env = environment()
     header = (f"Decode-step ops (`flexicache bench ops`), batch 1, fp32, budget {args.ops_budget}, context "
@@ -511,6 +530,9 @@ def suite_ops(args, out: Path) -> list[dict]:
     if "triton" in backends:
         header += (f" Triton rows (interpreted: slow) at budget {args.ops_triton_budget}, context {args.ops_triton_prompt}, "
                    f"{args.ops_triton_steps} steps: the same structure (more pages than the budget, one re-rank).")
+    if args.ops_padded_batch > 1:
+        header += (f" Rows \"b{args.ops_padded_batch} padded\": a batch of {args.ops_padded_batch} left-padded by 0 to "
+                   f"{args.ops_padding} tokens (evenly spread), decoded with its mask; ops per layer-step of the whole batch.")
     write_json(out / "ops.json", {"suite": "ops", "env": env, "argv": sys.argv[1:], "results": results})
     (out / "ops.md").write_text(header + "\n\n" + table + "\n")
     print(header + "\n\n" + table)
