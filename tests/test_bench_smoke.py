@@ -72,6 +72,41 @@ def test_promotion_counts_match_copied_bytes():
     assert r["pages_promoted"] > 0  # random queries move the top-K
 
 
+def test_paired_suite_interleaves_floor_and_flexicache(tmp_path):
+    out = tmp_path / "bench"
+    rc = bench.main(["paired", "--smoke", "--lengths", "320", "--batches", "2", "--budgets", "64", "--steps", "4",
+                     "--out", str(out)])
+    assert rc == 0
+    (r,) = json.loads((out / "paired.json").read_text())["results"]
+    assert (r["length"], r["batch"], r["budget"], r["floor_tokens"]) == (320, 2, 64, 64)
+    assert len(r["floor_ms"]) == len(r["flexicache_ms"]) == 4
+    assert r["ratio_of_medians"] == pytest.approx(r["flexicache_median_ms"] / r["floor_median_ms"])
+    assert r["ratio_of_means"] == pytest.approx(sum(r["flexicache_ms"]) / sum(r["floor_ms"]))
+    assert "| tiny | 320 | 2 | 64 | 4 |" in (out / "paired.md").read_text()
+
+
+def test_paired_case_runs_each_cache_at_its_own_context(monkeypatch):
+    """The floor decodes after `budget` tokens, FlexiCache after `length`, alternately (ABBA), each step's position
+    following its own cache."""
+    from fc_hf.eval.bench import common, paired
+
+    config = common.model_config("tiny", max_positions=1024)
+    model = common.build_model(config)
+    profile = common.spread_profile(config, 0.25)
+    calls = []
+    original = paired.decode_step
+
+    def decode_step(model, cache, kwarg, token, position, attention_mask=None):
+        calls.append((type(cache).__name__, position))
+        return original(model, cache, kwarg, token, position, attention_mask)
+
+    monkeypatch.setattr(paired, "decode_step", decode_step)
+    paired.paired_case(model, config, 64, 200, 1, 4, profile)
+    assert calls == [("DynamicCache", 64), ("FlexiCache", 200),  # first steps, untimed
+                     ("DynamicCache", 65), ("FlexiCache", 201), ("FlexiCache", 202), ("DynamicCache", 66),
+                     ("DynamicCache", 67), ("FlexiCache", 203), ("FlexiCache", 204), ("DynamicCache", 68)]
+
+
 def test_decode_suite_smoke(tmp_path):
     out = tmp_path / "bench"
     rc = bench.main(["decode", "rerank", "report", "--smoke", "--lengths", "320", "--batches", "2",

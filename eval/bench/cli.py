@@ -24,6 +24,8 @@ Suites (run any subset; `all` runs every one):
 - `ops`: kernel-launching aten ops (and Triton launches) and host syncs per decode step and per layer, for
   dense, Quest and FlexiCache on the torch and Triton backends, SmolLM2 and Llama-8B attention shapes; a
   Markdown table in `<out>/ops.md`, see `ops.py`. Counts, not timings: it runs on a loaded machine too.
+- `paired`: FlexiCache's decode step against the floor's (dense over `budget` tokens), timed alternately in one
+  worker so load drift hits both; the ratio without the noise of timing cases one after another, see `paired.py`.
 - `report`: plots (PNG) and `benchmarks.md` from the JSON files in `--out`.
 
 Every group of timed cases runs in its own subprocess (one model build, then the cases in turn), so
@@ -44,11 +46,11 @@ import json
 import sys
 from pathlib import Path
 
-from . import decode, memory, ops, report
+from . import decode, memory, ops, paired, report
 
 __all__ = ["main", "SUITES"]
 
-SUITES = ("decode", "prefill", "batch", "rerank", "memory", "promotion", "ops", "report")
+SUITES = ("decode", "prefill", "batch", "rerank", "memory", "promotion", "ops", "paired", "report")
 METHODS = decode.BENCH_METHODS  # dense, floor, quest, flexicache
 SUITE_RUNNERS = {
     "decode": decode.suite_decode,
@@ -58,6 +60,7 @@ SUITE_RUNNERS = {
     "memory": memory.suite_memory,
     "promotion": memory.suite_promotion,
     "ops": ops.suite_ops,
+    "paired": paired.suite_paired,
 }
 
 

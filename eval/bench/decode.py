@@ -177,6 +177,11 @@ def worker(spec: dict) -> int:
         if spec["kind"] == "prefill":
             res = prefill_case(model, config, case["method"], case["budget"], case["length"], profile,
                                options=case.get("options"))
+        elif spec["kind"] == "paired":  # floor and FlexiCache interleaved (paired.py)
+            from .paired import paired_case
+
+            res = paired_case(model, config, case["budget"], case["length"], case["batch"], spec["steps"], profile,
+                              options=case.get("options"))
         else:
             res = decode_case(model, config, case["method"], case["budget"], case["length"], case["batch"],
                               spec["steps"], profile, options=case.get("options"))
@@ -185,9 +190,15 @@ def worker(spec: dict) -> int:
         res.update(common)
         print(json.dumps(res), flush=True)
         name = case["method"] + (f"[{case['variant']}]" if case.get("variant") else "")
-        log(f"  {spec['model']:8s} {name:14s} B={res['budget']} L={case['length']} b={res['batch']}: "
-            + (f"{res['step_ms_mean']:.1f} ms/step ({res['tok_s']:.2f} tok/s)" if "step_ms_mean" in res
-               else f"prefill {res['prefill_s']:.2f} s") + f"  [{time.perf_counter() - t0:.1f} s]")
+        if "step_ms_mean" in res:
+            what = f"{res['step_ms_mean']:.1f} ms/step ({res['tok_s']:.2f} tok/s)"
+        elif "ratio_of_medians" in res:
+            what = (f"floor {res['floor_median_ms']:.1f}, flexicache {res['flexicache_median_ms']:.1f} ms/step "
+                    f"(medians; ratio {res['ratio_of_medians']:.2f})")
+        else:
+            what = f"prefill {res['prefill_s']:.2f} s"
+        log(f"  {spec['model']:8s} {name:14s} B={res['budget']} L={case['length']} b={res['batch']}: {what}"
+            f"  [{time.perf_counter() - t0:.1f} s]")
     return 0
 
 

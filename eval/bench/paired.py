@@ -1,0 +1,111 @@
+"""`flexicache bench paired`: FlexiCache's decode step against the floor's, interleaved step by step in one worker.
+
+The decode suite times its cases one after another; on a shared machine the load drifts between them (the floor, one
+and the same computation at 16k and at 32k, measured 125-198 ms per step at batch 4 within one set of runs), so a
+ratio of two cases' means moves by as much as the changes it is meant to show. Here one worker holds both caches
+(FlexiCache over `length` tokens, the floor's `DynamicCache` over `budget` tokens, both written with random K/V as
+the decode suite writes them) and times their steps in turn, in ABBA order (floor, FlexiCache, FlexiCache, floor,
+...), so a drift lands on both about equally. Each case reports both sides' median and mean step and the median of
+the per-step ratios (FlexiCache's step i over the floor's step i). Results go to `<out>/paired.json`, the table to
+`<out>/paired.md`.
+
+    flexicache bench paired --models smollm2 --lengths 16k,32k --batches 1,4 --budgets 1024 --steps 64
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from fc_hf.compat import cache_kwarg
+
+from ..methods import make_cache, prepare_model
+from .common import decode_step, environment, ingest_random_kv, log, now, parse_sizes, release_memory, write_json
+
+__all__ = ["paired_case", "suite_paired", "markdown_table"]
+
+
+def paired_case(model, config, budget: int, length: int, batch: int, steps: int, profile, options=None,
+                device="cpu") -> dict:
+    """Time `steps` decode steps of FlexiCache (context `length`) and of the floor (dense over `min(budget, length)`
+    tokens) alternately, after the first step of each (FlexiCache's first ranking) untimed."""
+    from .decode import _base_config
+
+    floor_tokens = min(budget, length)
+    kwarg = cache_kwarg(model)
+    sides = {}
+    with torch.no_grad():
+        for name, method, context in (("floor", "dense", floor_tokens), ("flexicache", "flexicache", length)):
+            base = _base_config(options, budget) if method == "flexicache" else None
+            cache = make_cache(method, config, budget, profile, base=base, dense_cache=True)
+            ingest_random_kv(cache, config, batch, context, device=device)
+            token = torch.randint(1, config.vocab_size, (batch, 1), generator=torch.Generator().manual_seed(0))
+            prepare_model(model, method)
+            token = decode_step(model, cache, kwarg, token.to(device), context)  # untimed: the first ranking
+            sides[name] = {"method": method, "cache": cache, "token": token, "context": context, "times": []}
+        for i in range(steps):
+            order = ("floor", "flexicache") if i % 2 == 0 else ("flexicache", "floor")  # ABBA
+            for name in order:
+                side = sides[name]
+                prepare_model(model, side["method"])  # outside the timer: a config switch
+                t0 = now(device)
+                side["token"] = decode_step(model, side["cache"], kwarg, side["token"], side["context"] + 1 + i)
+                side["times"].append((now(device) - t0) * 1e3)
+    floor, flexi = sides["floor"]["times"], sides["flexicache"]["times"]
+    ratios = [f / d for f, d in zip(flexi, floor)]
+    result = {"budget": budget, "length": length, "batch": batch, "steps": steps, "floor_tokens": floor_tokens,
+              "floor_ms": floor, "flexicache_ms": flexi,
+              "floor_median_ms": statistics.median(floor), "flexicache_median_ms": statistics.median(flexi),
+              "floor_mean_ms": sum(floor) / steps, "flexicache_mean_ms": sum(flexi) / steps,
+              "ratio_of_medians": statistics.median(flexi) / statistics.median(floor),
+              "ratio_of_means": sum(flexi) / sum(floor), "median_step_ratio": statistics.median(ratios)}
+    if options:
+        result["options"] = dict(options)
+    for side in sides.values():
+        del side["cache"]
+    release_memory()
+    return result
+
+
+def markdown_table(results: list[dict]) -> str:
+    head = ["model", "context", "batch", "budget", "steps", "floor median / mean (ms)", "FlexiCache median / mean (ms)",
+            "ratio of medians", "ratio of means", "median step ratio"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in sorted(results, key=lambda r: (r["model"], r["length"], r["batch"], r["budget"])):
+        lines.append("| " + " | ".join([
+            r["model"], f"{r['length'] // 1024}k" if r["length"] % 1024 == 0 else str(r["length"]), str(r["batch"]),
+            str(r["budget"]), str(r["steps"]), f"{r['floor_median_ms']:.1f} / {r['floor_mean_ms']:.1f}",
+            f"{r['flexicache_median_ms']:.1f} / {r['flexicache_mean_ms']:.1f}", f"{r['ratio_of_medians']:.2f}×",
+            f"{r['ratio_of_means']:.2f}×", f"{r['median_step_ratio']:.2f}×"]) + " |")
+    return "\n".join(lines)
+
+
+def suite_paired(args, out: Path) -> list[dict]:
+    """One worker per (model, length, batch), every budget in it; see the module docstring."""
+    from .decode import _case_options, _run_group
+
+    options, _ = _case_options(args)
+    results = []
+    for model in [m for m in args.models.split(",") if m]:
+        for length in parse_sizes(args.lengths):
+            for batch in parse_sizes(args.batches):
+                cases = [{"method": "paired", "budget": b, "length": length, "batch": batch,
+                          **({"options": dict(options)} if options else {})} for b in parse_sizes(args.budgets)]
+                spec = {"kind": "paired", "model": model, "lengths": [length], "steps": args.steps,
+                        "threads": args.threads, "unstable_fraction": args.unstable_fraction,
+                        "layers": args.llama_layers if model == "llama8b" else None, "cases": cases}
+                t0 = time.perf_counter()
+                results.extend(_run_group(spec, args.timeout))
+                log(f"bench paired: {model} {length} b={batch} [{time.perf_counter() - t0:.0f} s]")
+    table = markdown_table(results)
+    env = environment()
+    header = (f"FlexiCache against the floor, steps interleaved in one worker (`flexicache bench paired`), "
+              f"{args.steps} steps each after the first; torch {env['torch']}, {env.get('cpu_count', '?')} CPU(s).")
+    write_json(out / "paired.json", {"suite": "paired", "env": env, "argv": sys.argv[1:], "results": results})
+    (out / "paired.md").write_text(header + "\n\n" + table + "\n")
+    print(header + "\n\n" + table)
+    return results
