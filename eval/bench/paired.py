@@ -104,7 +104,8 @@ def suite_paired(args, out: Path) -> list[dict]:
     table = markdown_table(results)
     env = environment()
     header = (f"FlexiCache against the floor, steps interleaved in one worker (`flexicache bench paired`), "
-              f"{args.steps} steps each after the first; torch {env['torch']}, {env.get('cpu_count', '?')} CPU(s).")
+              f"{args.steps} steps each after the first; torch {env['torch']}, {env['cpus']} CPU(s), "
+              f"load {env.get('loadavg_1m', float('nan')):.1f} at the end.")
     write_json(out / "paired.json", {"suite": "paired", "env": env, "argv": sys.argv[1:], "results": results})
     (out / "paired.md").write_text(header + "\n\n" + table + "\n")
     print(header + "\n\n" + table)
