@@ -276,7 +276,7 @@ def test_variant_options_are_checked_at_the_case_budget():
     """`refine_pages=8` is valid at budget 64 (K = 4 pages) though not at the default 1024 (K = 64)."""
     from fc_hf.eval.bench import decode as bench_decode
 
-    cfg = bench_decode._base_config({"refine_pages": 8}, 64)
+    cfg = bench_common.base_config({"refine_pages": 8}, 64)
     assert cfg.token_budget == 64 and cfg.candidate_pages == 8
     with pytest.raises(ValueError, match="refine_pages"):
-        bench_decode._base_config({"refine_pages": 8}, 1024)
+        bench_common.base_config({"refine_pages": 8}, 1024)

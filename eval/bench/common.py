@@ -13,6 +13,7 @@ import gc
 import json
 import os
 import platform
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -144,6 +145,32 @@ def ingest_random_kv(cache, config, batch: int, length: int, dtype=torch.float32
         v = torch.randn(batch, kv_heads, length, head_dim, generator=gen, device=device, dtype=torch.float32).to(dtype)
         cache.update(k, v, layer)
         del k, v
+
+
+def base_config(options: dict | None, budget: int | None = None):
+    """The `FlexiCacheConfig` `make_cache` starts from (`base`): the defaults with `options` set, as in ops.py.
+
+    Built at the case's `budget` (unless the options set one), so options checked against the budget (e.g.
+    `refine_pages` >= K) are checked against the budget the case runs at."""
+    from fc_hf.config import FlexiCacheConfig
+
+    if not options:
+        return None
+    if budget is not None and "token_budget" not in options:
+        options = {**options, "token_budget": int(budget)}
+    return FlexiCacheConfig(**options)
+
+
+def run_worker(entry: str, spec: dict, timeout: int, env: dict | None = None) -> tuple[list[dict], int | str]:
+    """Run `python -m fc_hf.eval.bench <entry> <spec as JSON>` in a fresh interpreter: (the JSON lines it printed,
+    its return code or "timeout"). Whatever finished before a failure or the timeout is kept."""
+    cmd = [sys.executable, "-m", "fc_hf.eval.bench", entry, json.dumps(spec)]
+    try:
+        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=None, text=True, timeout=timeout, env=env)
+        stdout, rc = proc.stdout, proc.returncode
+    except subprocess.TimeoutExpired as e:
+        stdout, rc = (e.stdout.decode() if isinstance(e.stdout, bytes) else e.stdout) or "", "timeout"
+    return [json.loads(line) for line in stdout.splitlines() if line.startswith("{")], rc
 
 
 def decode_step(model, cache, kwarg: str, token: torch.Tensor, position: int,

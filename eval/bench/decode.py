@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -32,28 +31,14 @@ import torch
 from fc_hf.compat import cache_kwarg
 
 from ..methods import cache_defaults, make_cache, method_config, parse_cache_options, prepare_model, resolved_config
-from .common import (PeakRSS, bench_profile, build_model, decode_step, environment, ingest_random_kv, log,
-                     model_config, now, parse_sizes, release_memory, unstable_share, write_json)
+from .common import (PeakRSS, base_config, bench_profile, build_model, decode_step, environment, ingest_random_kv,
+                     log, model_config, now, parse_sizes, release_memory, run_worker, unstable_share, write_json)
 
 __all__ = ["decode_case", "prefill_case", "worker", "suite_decode", "suite_batch", "suite_prefill", "suite_rerank",
            "parse_cache_variants", "FLEXI_METHODS", "BENCH_METHODS"]
 
 FLEXI_METHODS = ("quest", "flexicache")  # the cases built from a FlexiCacheConfig (options and variants apply)
 BENCH_METHODS = ("dense", "floor") + FLEXI_METHODS  # what --methods of the decode and batch suites may name
-
-
-def _base_config(options: dict | None, budget: int | None = None):
-    """The `FlexiCacheConfig` `make_cache` starts from (`base`): the defaults with `options` set, as in ops.py.
-
-    Built at the case's `budget` (unless the options set one), so options checked against the budget (e.g.
-    `refine_pages` >= K) are checked against the budget the case runs at."""
-    from fc_hf.config import FlexiCacheConfig
-
-    if not options:
-        return None
-    if budget is not None and "token_budget" not in options:
-        options = {**options, "token_budget": int(budget)}
-    return FlexiCacheConfig(**options)
 
 
 # -- workers (run in a subprocess) ----------------------------------------------------------------
@@ -81,7 +66,7 @@ def decode_case(model, config, method, budget, length, batch, steps, profile, de
         torch.cuda.reset_peak_memory_stats()
         gpu_start = torch.cuda.memory_allocated()
     with PeakRSS() as rss, torch.no_grad():
-        base = _base_config(options, budget) if flexi else None
+        base = base_config(options, budget) if flexi else None
         cache = make_cache(cache_method, config, budget, profile, base=base, dense_cache=True)
         t0 = now(device)
         ingest_random_kv(cache, config, batch, context, dtype=dtype, device=device)
@@ -146,7 +131,7 @@ def prefill_case(model, config, method, budget, length, profile, device="cpu", o
     if flexi and options:
         result["options"] = dict(options)
     with PeakRSS() as rss, torch.no_grad():
-        base = _base_config(options, budget) if flexi else None
+        base = base_config(options, budget) if flexi else None
         cache = make_cache(method, config, budget, profile, base=base, dense_cache=True)
         t0 = now(device)
         out = model(input_ids=ids, use_cache=True, logits_to_keep=1, **{kwarg: cache})
@@ -205,13 +190,7 @@ def worker(spec: dict) -> int:
 def _run_group(spec: dict, timeout: int) -> list[dict]:
     """Run `worker(spec)` in a fresh interpreter (`python -m fc_hf.eval.bench _worker`); return its case results
     (whatever finished)."""
-    cmd = [sys.executable, "-m", "fc_hf.eval.bench", "_worker", json.dumps(spec)]
-    try:
-        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=None, text=True, timeout=timeout)
-        stdout, rc = proc.stdout, proc.returncode
-    except subprocess.TimeoutExpired as e:
-        stdout, rc = (e.stdout.decode() if isinstance(e.stdout, bytes) else e.stdout) or "", "timeout"
-    results = [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
+    results, rc = run_worker("_worker", spec, timeout)
     if rc != 0:
         print(f"bench: worker group {spec['model']} {spec['kind']} ended with {rc}; kept {len(results)} results",
               file=sys.stderr)
@@ -261,7 +240,7 @@ def _case_options(args) -> tuple[dict, list[tuple[str | None, dict]]]:
 def _same_case(method: str, budget: int, opts: dict, default_opts: dict) -> bool:
     """Whether `method` with `opts` behaves as with `default_opts` (configs compared resolved: `methods.resolved_config`)."""
     def resolved(o):
-        return resolved_config(method_config(method, budget, base=_base_config(o, budget)))
+        return resolved_config(method_config(method, budget, base=base_config(o, budget)))
 
     return resolved(opts) == resolved(default_opts)
 

@@ -60,7 +60,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import subprocess
 import sys
 from collections import Counter
 from pathlib import Path
@@ -72,7 +71,8 @@ from fc_hf.compat import cache_kwarg
 from fc_hf.transfer import HostWork
 
 from ..methods import make_cache, parse_cache_options, prepare_model
-from .common import bench_profile, build_model, decode_step, environment, ingest_random_kv, log, model_config, write_json
+from .common import (bench_profile, build_model, decode_step, environment, ingest_random_kv, log, model_config,
+                     run_worker, write_json)
 
 __all__ = ["OpCounter", "count_case", "worker", "suite_ops", "markdown_table", "comparison_table", "is_counted",
            "sync_kind"]
@@ -423,13 +423,7 @@ def _run_worker(spec: dict, timeout: int) -> list[dict]:
     env = dict(os.environ)
     if spec["backend"] == "triton" and not torch.cuda.is_available():
         env["TRITON_INTERPRET"] = "1"  # must be set before triton is imported: a fresh interpreter
-    cmd = [sys.executable, "-m", "fc_hf.eval.bench", "_ops_worker", json.dumps(spec)]
-    try:
-        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=None, text=True, timeout=timeout, env=env)
-        stdout, rc = proc.stdout, proc.returncode
-    except subprocess.TimeoutExpired as e:
-        stdout, rc = (e.stdout.decode() if isinstance(e.stdout, bytes) else e.stdout) or "", "timeout"
-    results = [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
+    results, rc = run_worker("_ops_worker", spec, timeout, env)
     if rc != 0:
         log(f"bench ops: worker {spec['shape']} {spec['backend']} ended with {rc}; kept {len(results)} results")
     return results

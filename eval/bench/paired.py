@@ -23,8 +23,9 @@ import torch
 
 from fc_hf.compat import cache_kwarg
 
-from ..methods import make_cache, prepare_model
-from .common import decode_step, environment, ingest_random_kv, log, now, parse_sizes, release_memory, write_json
+from ..methods import make_cache, parse_cache_options, prepare_model
+from .common import (base_config, decode_step, environment, ingest_random_kv, log, now, parse_sizes, release_memory,
+                     run_worker, write_json)
 
 __all__ = ["paired_case", "suite_paired", "markdown_table"]
 
@@ -33,14 +34,12 @@ def paired_case(model, config, budget: int, length: int, batch: int, steps: int,
                 device="cpu") -> dict:
     """Time `steps` decode steps of FlexiCache (context `length`) and of the floor (dense over `min(budget, length)`
     tokens) alternately, after the first step of each (FlexiCache's first ranking) untimed."""
-    from .decode import _base_config
-
     floor_tokens = min(budget, length)
     kwarg = cache_kwarg(model)
     sides = {}
     with torch.no_grad():
         for name, method, context in (("floor", "dense", floor_tokens), ("flexicache", "flexicache", length)):
-            base = _base_config(options, budget) if method == "flexicache" else None
+            base = base_config(options, budget) if method == "flexicache" else None
             cache = make_cache(method, config, budget, profile, base=base, dense_cache=True)
             ingest_random_kv(cache, config, batch, context, device=device)
             token = torch.randint(1, config.vocab_size, (batch, 1), generator=torch.Generator().manual_seed(0))
@@ -86,9 +85,7 @@ def markdown_table(results: list[dict]) -> str:
 
 def suite_paired(args, out: Path) -> list[dict]:
     """One worker per (model, length, batch), every budget in it; see the module docstring."""
-    from .decode import _case_options, _run_group
-
-    options, _ = _case_options(args)
+    options = parse_cache_options(args.cache_options)
     results = []
     for model in [m for m in args.models.split(",") if m]:
         for length in parse_sizes(args.lengths):
@@ -99,8 +96,10 @@ def suite_paired(args, out: Path) -> list[dict]:
                         "threads": args.threads, "unstable_fraction": args.unstable_fraction,
                         "layers": args.llama_layers if model == "llama8b" else None, "cases": cases}
                 t0 = time.perf_counter()
-                results.extend(_run_group(spec, args.timeout))
-                log(f"bench paired: {model} {length} b={batch} [{time.perf_counter() - t0:.0f} s]")
+                done, rc = run_worker("_worker", spec, args.timeout)  # decode.worker runs the "paired" kind
+                results.extend(done)
+                log(f"bench paired: {model} {length} b={batch} [{time.perf_counter() - t0:.0f} s]"
+                    + ("" if rc == 0 else f"; the worker ended with {rc}, kept {len(done)} results"))
     table = markdown_table(results)
     env = environment()
     header = (f"FlexiCache against the floor, steps interleaved in one worker (`flexicache bench paired`), "
