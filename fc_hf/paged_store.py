@@ -374,11 +374,12 @@ class PagedKV:
             dst = rows * pages.shape[1] + cols
         if not host_rows.numel():
             return
-        self.transfers.sync_host()
         dst = to_device(dst, self.device)
         for out, host in outs:
-            found = host.view(-1, *host.shape[2:]).index_select(0, host_rows)
-            out.view(-1, *out.shape[2:]).index_copy_(0, dst, to_device(found, self.device))
+            # Gathered into pinned memory once this store's offloads have landed (`PageTransfers.fetch`), so the copy to
+            # the device does not make the host wait.
+            found = self.transfers.fetch(host.view(-1, *host.shape[2:]), host_rows)
+            out.view(-1, *out.shape[2:]).index_copy_(0, dst, found)
 
     def dense(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Every token's K and V as `[B, heads, L, D]`, taken from the device where resident, else the host."""
@@ -434,10 +435,8 @@ class PagedKV:
         if self.host_k is not None:
             self.transfers.sync_host()
             cpu_map = row_map.cpu()
-            self.host_k = self.host_k[:, cpu_map]
-            self.host_v = self.host_v[:, cpu_map]
-            if self.transfers.is_cuda:
-                self.host_k, self.host_v = self.host_k.pin_memory(), self.host_v.pin_memory()
+            self.host_k = self.transfers.host_copy(self.host_k[:, cpu_map])  # host-tier memory again (pinned on CUDA)
+            self.host_v = self.transfers.host_copy(self.host_v[:, cpu_map])
         self.batch = batch_index.numel()
         self.rows = self.batch * self.heads
         return row_map

@@ -2,7 +2,7 @@
 
 `PageTransfers` decides *when* to wait (the ordering rules below); the copies themselves and the
 stream/event primitives are a `CudaStreams` on CUDA, or nothing on a CPU, where every copy is
-synchronous. Tests swap in a fake with the same four primitives that runs each copy only when the
+synchronous. Tests swap in a fake with the same primitives that runs each copy only when the
 code waits for it and fills its destination with NaN until then (`tests/deferred_transfers.py`), so
 these rules are exercised without a GPU.
 
@@ -15,7 +15,12 @@ Ordering rules (CUDA):
 - A device pool is replaced (grown, repacked) only after the compute stream has waited for the
   promotions writing into it (`PagedKV` calls `wait_promotions` first); the side stream also marks
   the pools and slot indices it uses (`record_stream`), so no block it still touches is reused.
-- The pinned staging buffer of a promotion is reused only after its previous copy has landed.
+- The pinned staging buffers of a promotion are reused only after its previous copy has landed.
+
+What makes the copies asynchronous (CUDA): every `non_blocking` copy lives in `CudaStreams`, and its host side is
+contiguous pinned memory from `host_empty` (a pageable or strided host side turns the copy into a staged one that
+the host waits for). Its device side is contiguous too: a strided device source would be made contiguous inside
+the copy, on the side stream, in memory cached for that stream.
 """
 
 from __future__ import annotations
@@ -43,9 +48,18 @@ def one_copy_to_host(tensors) -> tuple[torch.Tensor, ...]:
 
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor (from `to_host`'s work) on `device`, without waiting for the device (a pageable source is staged
-    before the copy returns, so it may be freed at once); `t` itself where it is there already."""
-    return t.to(device, non_blocking=True)
+    """A host tensor (from `to_host`'s work) on `device`, without the host waiting for the device; `t` itself where it
+    is there already.
+
+    On CUDA it goes through pinned memory: a copy from pageable memory first waits for the stream to drain (a hidden
+    host sync per call). The pinned block comes from PyTorch's host allocator, which does not reuse it before the
+    copy has read it."""
+    streams = streams_for(device)
+    if streams is None:
+        return t.to(device)
+    staged = streams.host_empty(t.shape, t.dtype)
+    staged.copy_(t)
+    return streams.upload(staged)
 
 
 class HostWork:
@@ -79,6 +93,11 @@ class CudaStreams:
         """Pinned host memory, so copies can be asynchronous."""
         return torch.empty(shape, dtype=dtype, pin_memory=True)
 
+    def upload(self, staged: torch.Tensor) -> torch.Tensor:
+        """`staged` (contiguous, pinned) on the device, copied on the compute stream: later compute work sees it and
+        the host does not wait. The host allocator keeps `staged`'s block until the copy has read it."""
+        return staged.to(self.device, non_blocking=True)
+
     def _on_side(self, copy, uses) -> torch.cuda.Event:
         self.side.wait_stream(torch.cuda.current_stream(self.device))  # after the compute work issued so far
         with torch.cuda.stream(self.side):
@@ -94,13 +113,12 @@ class CudaStreams:
         """Copy `device_src` into pinned `host_dst`; returns the copy's event."""
         return self._on_side(lambda: host_dst.copy_(device_src, non_blocking=True), (device_src,))
 
-    def promote(self, k_pool, v_pool, dst_slots, staged) -> torch.cuda.Event:
-        """Copy pinned `staged [2, C, P, D]` (keys, values) into device slots `dst_slots [C]`; returns the event."""
+    def promote(self, k_pool, v_pool, dst_slots, staged_k, staged_v) -> torch.cuda.Event:
+        """Copy pinned `staged_k [C, P, D]`, `staged_v [C, P, Dv]` into device slots `dst_slots [C]`; returns the event."""
 
         def copy():
-            landed = staged.to(self.device, non_blocking=True)
-            k_pool.index_copy_(0, dst_slots, landed[0])
-            v_pool.index_copy_(0, dst_slots, landed[1])
+            k_pool.index_copy_(0, dst_slots, staged_k.to(self.device, non_blocking=True))
+            v_pool.index_copy_(0, dst_slots, staged_v.to(self.device, non_blocking=True))
 
         return self._on_side(copy, (k_pool, v_pool, dst_slots))
 
@@ -117,9 +135,20 @@ class CudaStreams:
         self.side.synchronize()
 
 
+_STREAMS: dict[torch.device, CudaStreams] = {}  # one per CUDA device, shared by every store
+
+
 def streams_for(device: torch.device):
-    """The stream primitives for `device`: `CudaStreams` on CUDA, None (synchronous copies) elsewhere."""
-    return CudaStreams(device) if device.type == "cuda" else None
+    """The stream primitives for `device`: `CudaStreams` on CUDA, None (synchronous copies) elsewhere.
+
+    One per device, so every store of every cache copies on the same side stream: PyTorch caches freed device memory
+    per stream, so a stream per store (hundreds in a model) would keep that many caches of copy buffers."""
+    if device.type != "cuda":
+        return None
+    key = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
+    if key not in _STREAMS:
+        _STREAMS[key] = CudaStreams(key)
+    return _STREAMS[key]
 
 
 class PageTransfers:
@@ -131,7 +160,9 @@ class PageTransfers:
         self.streams = streams_for(device)
         self._promotion_done = None
         self._offload_done = None
-        self._staging: torch.Tensor | None = None
+        # A promotion's pinned staging, keys and values apart: `[:count]` of each is contiguous, as an asynchronous
+        # copy needs (a `[2, C, ...]` buffer's `[:, :count]` is not, below capacity).
+        self._staging: tuple[torch.Tensor, torch.Tensor] | None = None
         self._staging_free = None
 
     def host_empty(self, shape, dtype) -> torch.Tensor:
@@ -145,7 +176,9 @@ class PageTransfers:
         if self.streams is None:
             host_dst.copy_(device_src)
             return
-        self._offload_done = self.streams.offload(host_dst, device_src)
+        # Made contiguous here, on the compute stream, where its memory is reused at once; inside the copy it would
+        # be done on the side stream, in memory cached for that stream.
+        self._offload_done = self.streams.offload(host_dst, device_src.contiguous())
 
     def wait_offloads(self) -> None:
         """The compute stream waits until every issued offload has read its pages (before freeing device slots)."""
@@ -156,6 +189,32 @@ class PageTransfers:
         """The host waits for all copies (before the host tier is read by the CPU, reallocated or reordered)."""
         if self.streams is not None:
             self.streams.host_sync()
+
+    def land_offloads(self) -> None:
+        """The host waits for this store's offloads (before the CPU reads the host tier); not for other stores' copies
+        on the shared side stream, as `sync_host` does."""
+        if self._offload_done is not None:
+            self.streams.host_wait(self._offload_done)
+
+    def fetch(self, host: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        """`host[index]` on the device, for the compute stream (`host`: a flat host-tier view, `index`: a host tensor).
+
+        On CUDA the CPU gathers the rows, once their offloads have landed, into pinned memory, so the copy to the
+        device is asynchronous (from a gather into ordinary memory it would be a copy the host waits for)."""
+        if self.streams is None:
+            return host.index_select(0, index)
+        self.land_offloads()
+        staged = self.streams.host_empty((index.numel(), *host.shape[1:]), host.dtype)
+        torch.index_select(host, 0, index, out=staged)
+        return self.streams.upload(staged)
+
+    def host_copy(self, t: torch.Tensor) -> torch.Tensor:
+        """A copy of host tensor `t` in host-tier memory (pinned on CUDA), e.g. a reordered host tier."""
+        if self.streams is None:
+            return t.contiguous()
+        out = self.streams.host_empty(t.shape, t.dtype)
+        out.copy_(t)
+        return out
 
     def promote(
         self,
@@ -174,15 +233,14 @@ class PageTransfers:
             k_pool.index_copy_(0, dst_slots, host_k.index_select(0, idx))
             v_pool.index_copy_(0, dst_slots, host_v.index_select(0, idx))
             return
-        if self._offload_done is not None:
-            # The CPU gathers host pages below: their offloads must be in host memory, not merely ordered on a stream.
-            self.streams.host_wait(self._offload_done)
+        # The CPU gathers host pages below: their offloads must be in host memory, not merely ordered on a stream.
+        self.land_offloads()
         count = host_index.numel()
-        staging = self._staging_buffer(count, host_k)
+        staging_k, staging_v = self._staging_buffers(count, host_k, host_v)
         idx = host_index.cpu()
-        torch.index_select(host_k, 0, idx, out=staging[0, :count])
-        torch.index_select(host_v, 0, idx, out=staging[1, :count])
-        self._promotion_done = self.streams.promote(k_pool, v_pool, dst_slots, staging[:, :count])
+        torch.index_select(host_k, 0, idx, out=staging_k[:count])
+        torch.index_select(host_v, 0, idx, out=staging_v[:count])
+        self._promotion_done = self.streams.promote(k_pool, v_pool, dst_slots, staging_k[:count], staging_v[:count])
         self._staging_free = self._promotion_done
 
     def wait_promotions(self) -> None:
@@ -191,9 +249,10 @@ class PageTransfers:
             self.streams.compute_wait(self._promotion_done)
             self._promotion_done = None
 
-    def _staging_buffer(self, count: int, like: torch.Tensor) -> torch.Tensor:
+    def _staging_buffers(self, count: int, host_k: torch.Tensor, host_v: torch.Tensor):
         if self._staging_free is not None:
-            self.streams.host_wait(self._staging_free)  # its previous copy must have left the buffer
-        if self._staging is None or self._staging.shape[1] < count:
-            self._staging = self.streams.host_empty((2, max(count, 64), *like.shape[1:]), like.dtype)
+            self.streams.host_wait(self._staging_free)  # its previous copy must have left the buffers
+        if self._staging is None or self._staging[0].shape[0] < count:
+            rows = max(count, 64)
+            self._staging = tuple(self.streams.host_empty((rows, *h.shape[1:]), h.dtype) for h in (host_k, host_v))
         return self._staging

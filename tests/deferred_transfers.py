@@ -1,6 +1,6 @@
 """A test-only transfer backend that makes CUDA stream ordering checkable on a CPU (issue 14, item 3).
 
-`DeferredStreams` implements the four primitives `fc_hf.transfer.PageTransfers` orders its copies
+`DeferredStreams` implements the primitives `fc_hf.transfer.PageTransfers` orders its copies
 with (`offload`, `promote`, `compute_wait`, `host_wait`/`host_sync`), as a worst-case GPU would run
 them: a copy does not happen when it is issued but only when the code waits for it, its source is
 read only then, and its destination holds NaN until then. What each kind of wait makes visible
@@ -15,12 +15,17 @@ So reading a promoted slot before `wait_promotions`, copying a pool while a prom
 pending, or gathering host pages with the CPU before their offload has landed all show up as NaN
 (or as a page missing from a replaced pool) in the tests' outputs.
 
+It also checks what makes those copies asynchronous on CUDA (`HostSideError` otherwise): the host side
+of every copy (`offload`, `promote`, `upload`) is contiguous memory from this backend's `host_empty` (pinned
+on CUDA; pinning itself cannot be seen on a CPU), and a device source is contiguous.
+
 Use `deferred_transfers()` (a context manager) to make every store created inside it use this
 backend; `FLEXICACHE_TEST_TRANSFERS=deferred` does so for a whole test run (see conftest.py).
 """
 
 from __future__ import annotations
 
+import weakref
 from contextlib import contextmanager
 
 import torch
@@ -34,14 +39,42 @@ class FakeEvent:
     pass
 
 
+class HostSideError(AssertionError):
+    """A copy's host side is not contiguous `host_empty` memory, or its device source is strided: on CUDA such a copy
+    is staged through pageable memory and the host waits for it."""
+
+
 class DeferredStreams:
     def __init__(self, device=None):
         self.queue: list[tuple[FakeEvent, object, str]] = []  # (event, copy, "host" | "device"), in issue order
-        self.issued = {"offload": 0, "promote": 0}
+        self.issued = {"offload": 0, "promote": 0, "upload": 0}
         self.landed_late = 0  # copies that were still pending when something waited for them
+        self._pinned: dict[int, weakref.ref] = {}  # storage address -> the `host_empty` tensor that owns it
 
     def host_empty(self, shape, dtype) -> torch.Tensor:
-        return torch.full(shape, NAN, dtype=dtype)  # never-written host memory reads as NaN
+        # Never-written host memory reads as NaN (integers: -1, an index that fails loudly).
+        t = torch.full(shape, NAN if dtype.is_floating_point else -1, dtype=dtype)
+        self._pinned[t.untyped_storage().data_ptr()] = weakref.ref(t)
+        return t
+
+    def check_host_side(self, t: torch.Tensor, what: str) -> None:
+        """Raise `HostSideError` unless `t` is contiguous and lies in memory from `host_empty` (a view of it counts)."""
+        owner = self._pinned.get(t.untyped_storage().data_ptr())
+        if owner is None or owner() is None:
+            raise HostSideError(f"{what}: host side {tuple(t.shape)} is not host_empty (pinned) memory")
+        if not t.is_contiguous():
+            raise HostSideError(f"{what}: host side {tuple(t.shape)} strides {t.stride()} is not contiguous")
+
+    @staticmethod
+    def check_device_side(t: torch.Tensor, what: str) -> None:
+        if not t.is_contiguous():
+            raise HostSideError(f"{what}: device side {tuple(t.shape)} strides {t.stride()} is not contiguous")
+
+    def upload(self, staged) -> torch.Tensor:
+        """A copy on the compute stream: later device work sees it, so it lands at once."""
+        self.issued["upload"] += 1
+        self.check_host_side(staged, "upload")
+        return staged.clone()
 
     def _issue(self, copy, lands_in: str) -> FakeEvent:
         event = FakeEvent()
@@ -50,17 +83,21 @@ class DeferredStreams:
 
     def offload(self, host_dst, device_src) -> FakeEvent:
         self.issued["offload"] += 1
+        self.check_host_side(host_dst, "offload")
+        self.check_device_side(device_src, "offload")
         host_dst.fill_(NAN)
         return self._issue(lambda: host_dst.copy_(device_src), "host")
 
-    def promote(self, k_pool, v_pool, dst_slots, staged) -> FakeEvent:
+    def promote(self, k_pool, v_pool, dst_slots, staged_k, staged_v) -> FakeEvent:
         self.issued["promote"] += 1
+        self.check_host_side(staged_k, "promote (keys)")
+        self.check_host_side(staged_v, "promote (values)")
         k_pool.index_fill_(0, dst_slots, NAN)
         v_pool.index_fill_(0, dst_slots, NAN)
 
-        def copy():  # reads the staging buffer and the slot list now, as the side stream would
-            k_pool.index_copy_(0, dst_slots, staged[0])
-            v_pool.index_copy_(0, dst_slots, staged[1])
+        def copy():  # reads the staging buffers and the slot list now, as the side stream would
+            k_pool.index_copy_(0, dst_slots, staged_k)
+            v_pool.index_copy_(0, dst_slots, staged_v)
 
         return self._issue(copy, "device")
 
