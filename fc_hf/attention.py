@@ -12,6 +12,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from .errors import FlexiCacheError
 from .layer import DecodePlaceholder
 
 NAME = "flexicache"
@@ -78,6 +79,27 @@ def _dense_softcap_attention(module, query, key, value, attention_mask, scaling,
     return torch.matmul(probs, value).transpose(1, 2).contiguous()
 
 
+def flexicache_mask(*args, **kwargs):
+    """transformers' sdpa mask, after checking that a 2D padding mask covers every key position.
+
+    Every way of adding tokens to a filled cache hands the model the mask of the whole sequence (generate does, so
+    do chunked prefill, conversations and a copied prefix). A shorter one means the model is re-fed the sequence
+    with `use_cache=False` (which would store it twice in the cache) or was given only the new tokens' mask, which
+    transformers pads with masked positions: both would attend wrongly, so refuse before any layer writes."""
+    mask, kv_length = kwargs.get("attention_mask"), kwargs.get("kv_length")
+    if isinstance(mask, torch.Tensor) and mask.dim() == 2 and kv_length is not None:
+        covered = mask.shape[-1]
+        needed = kv_length + kwargs.get("kv_offset", 0)
+        if covered < needed:
+            raise FlexiCacheError(
+                f"The attention mask covers {covered} positions but the cache and the new tokens span {needed}. Pass "
+                "the mask of the whole sequence (earlier tokens and new ones), as generate does. With generate this "
+                "happens under use_cache=False, which re-feeds the whole sequence to a cache that already holds it: "
+                "keep use_cache=True (the default) with a FlexiCache. Nothing was written."
+            )
+    return sdpa_mask(*args, **kwargs)
+
+
 def register() -> str:
     """Register FlexiCache's attention and mask functions under "flexicache" (idempotent); returns the name.
 
@@ -85,5 +107,5 @@ def register() -> str:
     """
     AttentionInterface.register(NAME, flexicache_attention_forward)
     # Without a mask function transformers builds no mask at all, and left padding would be ignored.
-    AttentionMaskInterface.register(NAME, sdpa_mask)
+    AttentionMaskInterface.register(NAME, flexicache_mask)
     return NAME

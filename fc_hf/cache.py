@@ -13,6 +13,7 @@ from .config import FlexiCacheConfig
 from .errors import FlexiCacheError
 from .kernels import GatherWorkspace
 from .layer import FlexiCacheLayer
+from .ledger import DeviceLedger
 from .online import OnlineClassifier, check_auto_config
 from .profile import HeadProfile, attention_shape
 
@@ -20,6 +21,14 @@ logger = logging.getLogger("fc_hf")
 
 _FULL = ("full_attention",)
 _SLIDING = ("sliding_attention", "chunked_attention")
+
+
+def _dense_bytes(layer) -> int:
+    """Bytes of a transformers layer's K/V tensors (0 before its first update)."""
+    keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
+    if keys is None or values is None:
+        return 0
+    return keys.numel() * keys.element_size() + values.numel() * values.element_size()
 
 
 def _layer_types(text_config) -> list[str]:
@@ -89,6 +98,7 @@ class FlexiCache(Cache):
         self._model_text_config = text
         self.timings: dict | None = None
         self.workspace = GatherWorkspace()  # gather buffers of this cache's decode steps (PyTorch backend)
+        self.ledger = DeviceLedger()  # device KV bytes now and at the peak (`memory_report`)
         # Checking that every selected page is resident costs a device sync per head group on CUDA:
         # always on elsewhere, on CUDA only with FLEXICACHE_DEBUG=1 (or by setting this to True).
         self.check_residency: bool | None = None
@@ -127,9 +137,44 @@ class FlexiCache(Cache):
     def update(self, key_states, value_states, layer_idx: int, cache_kwargs=None, *args, **kwargs):
         if not self.layers:
             raise FlexiCacheError("This FlexiCache was released (cache.release()); create a new FlexiCache for this call.")
+        if layer_idx == 0:
+            self._check_use_cache(cache_kwargs, kwargs)
         if layer_idx == self._first_flexi_idx and self.cache_config.max_device_pages is not None:
             self._check_device_bound(key_states)
-        return super().update(key_states, value_states, layer_idx)
+        layer = self.layers[layer_idx]
+        if isinstance(layer, FlexiCacheLayer):
+            out = super().update(key_states, value_states, layer_idx)
+            if key_states.shape[2] > 1 and layer.length > key_states.shape[2]:
+                self._start_read_back_after(layer_idx)
+            return out
+        held = _dense_bytes(layer)  # a dense or sliding-window layer: its K/V count towards the device bytes too
+        out = super().update(key_states, value_states, layer_idx)
+        self.ledger.resized(held, _dense_bytes(layer))
+        return out
+
+    def _start_read_back_after(self, layer_idx: int) -> None:
+        """While this layer attends over its read-back, start the next FlexiCache layer's host -> device copy (CUDA:
+        on the side stream, the way transformers' offloaded cache prefetches the next layer)."""
+        for layer in self.layers[layer_idx + 1 :]:
+            if isinstance(layer, FlexiCacheLayer):
+                if layer.is_initialized:
+                    for store in layer.stores():
+                        store.start_read_back()
+                return
+
+    def _check_use_cache(self, cache_kwargs, kwargs) -> None:
+        """Refuse a forward run with `use_cache=False` on a filled cache (generate re-feeds the whole sequence then,
+        which would be stored twice), before any layer writes. transformers 5.24 hands the layer's kwargs over."""
+        found = []
+        for extra in (cache_kwargs, kwargs.get("kwargs"), kwargs):
+            if isinstance(extra, dict) and "use_cache" in extra:
+                found.append(extra["use_cache"])
+        if found and found[0] is False and self.get_seq_length(self._first_flexi_idx or 0) > 0:
+            raise FlexiCacheError(
+                f"This forward runs with use_cache=False on a FlexiCache that holds {self.get_seq_length()} tokens: "
+                "generate re-feeds the whole sequence each step then, and the cache would store it twice. Keep "
+                "use_cache=True (the default) with a FlexiCache, or pass no cache. Nothing was written."
+            )
 
     @property
     def flexi_layers(self) -> list[FlexiCacheLayer]:
@@ -139,13 +184,7 @@ class FlexiCache(Cache):
         """Refuse a forward pass whose pages would exceed `max_device_pages`, before any layer writes."""
         bound = self.cache_config.max_device_pages
         b, _, t, _ = key_states.shape
-        pages = math.ceil(t / self.cache_config.page_size)
-        needed = 0
-        for layer in self.flexi_layers:
-            if layer.is_initialized:
-                needed += sum(store.slots_in_use() + store.slots_needed(t) for store in layer.stores())
-            else:
-                needed += pages * b * layer.num_kv_heads
+        needed = sum(group.slots_after(t, b) for layer in self.flexi_layers for group in layer.groups)
         if needed > bound:
             held = self.get_seq_length(self._first_flexi_idx)
             state = "The cache is still empty." if held == 0 else (
@@ -195,9 +234,12 @@ class FlexiCache(Cache):
 
     # -- reports ---------------------------------------------------------------------------------
     def memory_report(self) -> dict[str, int]:
-        """Bytes actually allocated per tier (not formulas), plus what a DynamicCache would hold."""
+        """Bytes actually allocated per tier (not formulas), plus what a DynamicCache would hold.
+
+        `peak_device_kv_bytes` is the most device KV this cache has held at once (`fc_hf.ledger`): page pools, dense
+        layers' K/V and the one-layer read-back of a multi-token step on a filled cache; metadata is apart."""
         report = {"device_kv_bytes": 0, "host_kv_bytes": 0, "metadata_bytes": 0, "dense_kv_bytes": 0,
-                  "device_slots_in_use": 0}
+                  "device_slots_in_use": 0, "peak_device_kv_bytes": self.ledger.peak}
         if self.auto is not None:  # profile="auto": -1 while warming up; the trace is counted as metadata
             report["auto_classified_after_step"] = -1 if self.auto.classified_after_step is None else (
                 self.auto.classified_after_step)
@@ -267,10 +309,13 @@ class FlexiCache(Cache):
         for idx, layer in enumerate(self.layers):
             if isinstance(layer, FlexiCacheLayer):
                 for group in layer.groups:
+                    if group.store is not None:
+                        group.store.free_device()
                     group.store = None
                     group.sel = None
                     group.workspace = None
             else:
+                self.ledger.resized(_dense_bytes(layer), 0)
                 layer.keys = layer.values = None
         self.layers = []
         self.workspace.clear()

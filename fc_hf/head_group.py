@@ -16,6 +16,7 @@ are due, with no Python loop over heads.
 
 from __future__ import annotations
 
+import math
 import time
 from contextlib import contextmanager, nullcontext
 
@@ -59,13 +60,59 @@ class HeadGroup:
         self._pages_memo: tuple | None = None  # (sel, pages_at_rank, num_pages, rows, pages)
         self._slots_memo: tuple | None = None  # (pages, table_version, slots)
         self._checked_slots: torch.Tensor | None = None  # the slots the residency check last passed
+        # Set by a multi-token append (a prompt, a prefill chunk, a new turn): the group ranks at the next decode step
+        # and applies that ranking at once, whatever its schedule; the ranking's promotions are not a re-rank's.
+        self.rank_next = False
+        self._after_append = False
 
-    def init_store(self, batch, head_dim, value_dim, dtype, device):
+    def init_store(self, batch, head_dim, value_dim, dtype, device, ledger=None):
         self.head_index = torch.tensor(self.heads, device=device)
         self.store = PagedKV(
             batch, len(self.heads), self.cfg.page_size, head_dim, value_dim, dtype, device, tiered=self.tiered,
-            subpages=self.cfg.subpages, page_means=self.cfg.tail_estimate,
+            subpages=self.cfg.subpages, page_means=self.cfg.tail_estimate, ledger=ledger,
         )
+
+    def append(self, keys: torch.Tensor, values: torch.Tensor, heads: torch.Tensor | None = None,
+               backend: str | None = None) -> None:
+        """Append `[B, heads, T, D]` tokens (with `heads`: every KV head of the layer, this group's taken from them).
+
+        One token is a decode step's. Several (a prompt, a prefill chunk, a new turn of a conversation) leave a tiered
+        group only its sink and the page being filled on the device (`PagedKV.append_offloaded`), and every group
+        ranks at its next decode step: the selection made before these tokens does not know them.
+        """
+        if keys.shape[2] == 1:
+            self.store.append(keys, values, heads=heads, backend=backend)
+            return
+        if self.tiered:
+            if heads is not None:
+                keys, values = keys.index_select(1, heads), values.index_select(1, heads)
+            self.store.append_offloaded(keys, values, keep=self.cfg.sink_pages)
+            store = self.store
+            sink = min(self.cfg.sink_pages, store.full_pages)
+            self.sel = torch.arange(sink, device=store.device).expand(store.rows, sink)
+            self.pages_at_rank = store.full_pages  # the page being filled, if any, is "created since"
+        else:
+            self.store.append(keys, values, heads=heads, backend=backend)
+        self.rank_next = True
+        self._after_append = self.tiered
+        self.pending = None
+        self._pages_memo = self._slots_memo = self._checked_slots = None
+        self.selector.forget()  # nothing ranked before these tokens is re-used
+
+    def slots_after(self, tokens: int, batch: int) -> int:
+        """Device slots this group holds once `tokens` more tokens are in and (at a decode step that ranks after a
+        prompt or a turn) its first ranking has promoted its top-K: what `max_device_pages` is checked against."""
+        p = self.cfg.page_size
+        store = self.store
+        length = 0 if store is None else store.length
+        rows = batch * len(self.heads) if store is None else store.rows
+        end = length + tokens
+        if self.tiered and tokens > 1:  # the sink and the page being filled (`PagedKV.append_offloaded`)
+            return (min(self.cfg.sink_pages, end // p) + (end % p > 0)) * rows
+        held = math.ceil(end / p) * rows if store is None else store.slots_in_use() + store.slots_needed(tokens)
+        if self.tiered and self.rank_next:
+            held = max(held, min(self.cfg.pages_per_head, math.ceil(end / p)) * rows)
+        return held
 
     def _timed(self, name):
         """Times the block into `timings[name]` when timings are on; else a shared no-op (no generator per call)."""
@@ -86,7 +133,7 @@ class HeadGroup:
         """Whether this group ranks its pages at decode step `step` (1-based)."""
         if self.kind == STREAMING:
             return False
-        return step == 1 or step % self.interval == 0
+        return self.rank_next or step == 1 or step % self.interval == 0
 
     def _rank(self, query: torch.Tensor, page_valid: torch.Tensor | None, scaling: float,
               token_valid: torch.Tensor | None) -> torch.Tensor:
@@ -120,7 +167,8 @@ class HeadGroup:
         if self.is_due(step):
             new_sel = self._rank(query, page_valid, scaling, token_valid)
             self.rankings += 1
-            if step > 1 and self.tiered and self.cfg.promotion == "deferred":
+            forced, self.rank_next = self.rank_next, False
+            if step > 1 and self.tiered and self.cfg.promotion == "deferred" and not forced:
                 # Attend with the current pages now; promote after this step's attention.
                 self.pending = (new_sel, store.num_pages)
             else:
@@ -169,12 +217,14 @@ class HeadGroup:
         that (re-rank) step; a tiered group then keeps only those pages on the device, as after that ranking.
         """
         self._apply(sel, pages_at_rank)
+        self.rank_next = False  # ranked already: the schedule goes on as if this group had made that ranking
 
     def _move_tiers(self, new_sel: torch.Tensor, pages_at_rank: int) -> None:
         store = self.store
         promoted = move_tiers(store, self._resident_pages(), new_sel)
-        if self.sel is not None:  # the first ranking only drops the prompt's pages; it promotes nothing
+        if not self._after_append:  # the first ranking after a prompt or a turn fills the device from the sink
             self.promoted_fractions.append(promoted / max(1, new_sel.numel()))
+        self._after_append = False
         headroom = compaction_headroom(store, self.interval)
         if pages_at_rank == store.num_pages and kernels.backend_for(store.k_pool, self.cfg.backend) == "torch":
             # The PyTorch attention reads the pages in place until the next ranking (no gather per step); the

@@ -98,7 +98,7 @@ class FlexiCacheLayer(CacheLayerMixin):
         self.device, self.dtype = key_states.device, key_states.dtype
         self.batch, self.head_dim, self.value_dim = key_states.shape[0], key_states.shape[-1], value_states.shape[-1]
         for group in self.groups:
-            group.init_store(self.batch, self.head_dim, self.value_dim, self.dtype, self.device)
+            group.init_store(self.batch, self.head_dim, self.value_dim, self.dtype, self.device, self.owner.ledger)
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -111,32 +111,31 @@ class FlexiCacheLayer(CacheLayerMixin):
             self.lazy_initialization(key_states, value_states)
         else:
             self._check_same_kind(key_states)
-        if self.length > 0 and t != 1:
-            raise FlexiCacheError(
-                f"FlexiCache layer {self.layer_idx} already holds {self.length} tokens and got {t} more at once. A "
-                "FlexiCache serves exactly one generate call (prefill, then one token per step): pass a new "
-                "`FlexiCache(model.config, ...)` to every generate call, or use `fc_hf.flexicache_pipeline(...)`, "
-                "which does so. This also happens with use_cache=False, assisted decoding and chunked prefill, "
-                "which FlexiCache does not support. Nothing was written."
-            )
         auto = self.owner.auto
         if auto is not None and self.length > 0 and self.regrouped_after_step is None and self.steps == auto.boundary:
             found = auto.decide(self.steps)  # the first layer classifies; None: postponed
             if found is not None:
                 self.regroup(auto.unstable_in(self.layer_idx))
+        past = self.length
+        if past > 0 and t > 1:
+            # Tokens on a filled cache (a prefill chunk, a new turn): they attend exactly, over every earlier token
+            # read back from both tiers (this layer only) and over each other; read before the append drops pages.
+            key_all, value_all = self._with_past(key_states, value_states)
         backend = self.cfg.backend
         if len(self.groups) == 1:  # one group holds every head, in order: nothing to pick
-            self.groups[0].store.append(key_states, value_states, backend=backend)
+            self.groups[0].append(key_states, value_states, backend=backend)
         elif t == 1 and kernels.backend_for(key_states, backend) == "triton":
             for group in self.groups:  # one launch per group picks its heads and writes K and V
-                group.store.append(key_states, value_states, heads=group.head_index, backend=backend)
+                group.append(key_states, value_states, heads=group.head_index, backend=backend)
         else:  # the heads in group order once, then each group takes its span (a view)
             perm, spans, _ = self._head_order()
             kp = key_states if perm is None else key_states.index_select(1, perm)
             vp = value_states if perm is None else value_states.index_select(1, perm)
             for group, (lo, hi) in zip(self.groups, spans):
-                group.store.append(kp[:, lo:hi], vp[:, lo:hi], backend=backend)
+                group.append(kp[:, lo:hi], vp[:, lo:hi], backend=backend)
         self.length += t
+        if past > 0 and t > 1:
+            return key_all, value_all
         if t > 1 or self.length == 1:
             if auto is not None and auto.observing and t > 1:
                 # Zero warm-up: the attention function finds this layer on the keys and traces the prompt's
@@ -151,6 +150,30 @@ class FlexiCacheLayer(CacheLayerMixin):
             _placeholder(self, b, h, self.length, self.head_dim, key_states),
             _placeholder(self, b, h, self.length, self.value_dim, value_states),
         )
+
+    def _with_past(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`[B, H, L + T, D]` keys and values: the L tokens held (from the device where resident, else the host tier,
+        `PagedKV.read_into`) followed by the T new ones, for the model's dense attention. One layer at a time: this
+        read-back lives while the layer attends; its bytes count towards the cache's peak (`memory_report`)."""
+        b, h, t, _ = key_states.shape
+        past = self.length
+        keys = key_states.new_empty(b, h, past + t, self.head_dim)
+        values = value_states.new_empty(b, h, past + t, self.value_dim)
+        keys[:, :, past:] = key_states
+        values[:, :, past:] = value_states
+        staged = 0
+        perm, spans, _ = self._head_order()
+        for group, (lo, hi) in zip(self.groups, spans):
+            if perm is None:
+                staged += group.store.read_into(keys[:, lo:hi], values[:, lo:hi])
+            else:  # the group's heads are not a run: read into their own tensors, then copy into place
+                gk = key_states.new_empty(b, hi - lo, past, self.head_dim)
+                gv = value_states.new_empty(b, hi - lo, past, self.value_dim)
+                staged += group.store.read_into(gk, gv) + gk.numel() * gk.element_size() + gv.numel() * gv.element_size()
+                keys[:, :, :past].index_copy_(1, group.head_index, gk)
+                values[:, :, :past].index_copy_(1, group.head_index, gv)
+        self.owner.ledger.transient(keys.numel() * keys.element_size() + values.numel() * values.element_size() + staged)
+        return keys, values
 
     def _head_order(self) -> tuple[torch.Tensor | None, list[tuple[int, int]], torch.Tensor | None]:
         """`(perm, spans, inverse)`: the KV heads in group order (None when no reordering is needed), each group's
@@ -300,11 +323,12 @@ class FlexiCacheLayer(CacheLayerMixin):
         self.groups = self._make_groups(unstable, set())
         sel = None if warm.sel is None else warm.sel.view(self.batch, self.num_kv_heads, -1)
         for group in self.groups:
-            group.init_store(self.batch, self.head_dim, self.value_dim, self.dtype, self.device)
+            group.init_store(self.batch, self.head_dim, self.value_dim, self.dtype, self.device, self.owner.ledger)
             idx = group.head_index
-            group.store.append(k.index_select(1, idx), v.index_select(1, idx))
+            group.append(k.index_select(1, idx), v.index_select(1, idx))
             if sel is not None:
                 group.adopt_selection(sel.index_select(1, idx).reshape(-1, sel.shape[-1]), warm.pages_at_rank)
+        warm.store.free_device()
         warm.store = None
 
     # -- accounting ------------------------------------------------------------------------------

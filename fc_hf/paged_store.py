@@ -21,12 +21,14 @@ side of a matmul, ~30% faster on a CPU in that layout, while pages are written o
 
 from __future__ import annotations
 
+import copy
 import math
 
 import torch
 
 from . import kernels
 from .errors import FlexiCacheError
+from .ledger import DeviceLedger
 from .transfer import PageTransfers, host_work, to_device, to_host
 
 
@@ -66,6 +68,7 @@ class PagedKV:
         grow_pages: int = 16,
         subpages: int = 1,
         page_means: bool = False,
+        ledger=None,
     ):
         self.batch, self.heads, self.page_size = batch, heads, page_size
         self.head_dim, self.value_dim = head_dim, value_dim
@@ -75,9 +78,12 @@ class PagedKV:
         self.grow_pages = grow_pages  # capacity added per growth, in pages per row
         self.length = 0
         self.transfers = PageTransfers(device)
+        # Counts the device bytes of the pools (and the cache's peak); `_set_pools` keeps it current.
+        self.ledger = ledger if ledger is not None else DeviceLedger()
+        self.k_pool = self.v_pool = None
         # Device tier: start with the null block only; `append` grows it to what the prompt needs.
-        self.k_pool = torch.zeros(1, page_size, head_dim, dtype=dtype, device=device)
-        self.v_pool = torch.zeros(1, page_size, value_dim, dtype=dtype, device=device)
+        self._set_pools(torch.zeros(1, page_size, head_dim, dtype=dtype, device=device),
+                        torch.zeros(1, page_size, value_dim, dtype=dtype, device=device))
         self.free = torch.empty(0, dtype=torch.long, device=device)
         self.n_free = 0
         self.table = torch.zeros(self.rows, 0, dtype=torch.long, device=device)
@@ -92,7 +98,29 @@ class PagedKV:
         # Set by `arrange_rows` (tiered groups on the PyTorch path), cleared by any slot move it did not plan:
         # {"pages": the arranged pages [N, M], "width": slots per row, "used": positions filled per row}.
         self.row_layout: dict | None = None
+        self._read_back: tuple | None = None  # (full pages, copy) started by `start_read_back`
         self.counters = {"pages_offloaded": 0, "bytes_offloaded": 0, "pages_promoted": 0, "bytes_promoted": 0}
+
+    def __deepcopy__(self, memo):
+        """An independent store: every tensor copied once its pending copies have landed, the host tier into new
+        host memory of its own (pinned on CUDA), and transfers (streams, events, staging) of its own."""
+        self.transfers.wait_promotions()
+        self.transfers.sync_host()
+        new = PagedKV.__new__(PagedKV)
+        memo[id(self)] = new
+        new.transfers = PageTransfers(self.device)
+        for name, value in self.__dict__.items():
+            if name == "transfers":
+                continue
+            if name in ("host_k", "host_v") and value is not None:
+                host = new.transfers.host_empty(value.shape, value.dtype)
+                value = host.copy_(value)
+            elif name == "_read_back":
+                value = None
+            else:
+                value = copy.deepcopy(value, memo)
+            new.__dict__[name] = value
+        return new
 
     # -- sizes ---------------------------------------------------------------------------------
     @property
@@ -113,6 +141,17 @@ class PagedKV:
 
     def device_bytes(self) -> int:
         return self.k_pool.numel() * self.k_pool.element_size() + self.v_pool.numel() * self.v_pool.element_size()
+
+    def _set_pools(self, k_pool: torch.Tensor, v_pool: torch.Tensor) -> None:
+        """Make `k_pool`/`v_pool` the device tier (replacing any earlier pools), counted by the ledger."""
+        old = 0 if self.k_pool is None else self.device_bytes()
+        self.k_pool, self.v_pool = k_pool, v_pool
+        self.ledger.resized(old, self.device_bytes())
+
+    def free_device(self) -> None:
+        """Drop the device tier (the cache is being released); the ledger stops counting it."""
+        self.ledger.resized(self.device_bytes(), 0)
+        self.k_pool = self.v_pool = None
 
     def host_bytes(self) -> int:
         if self.host_k is None:
@@ -153,6 +192,11 @@ class PagedKV:
         self.n_free -= count
         return self.free[self.n_free : self.n_free + count].clone()
 
+    def alloc_slots(self, count: int) -> torch.Tensor:
+        """`count` free device slots (the pool grows if it must), for a tier move that promotes more than it evicts."""
+        self.row_layout = None  # not one page per row at the layout's next position
+        return self._alloc(count)
+
     def release(self, slots: torch.Tensor) -> None:
         """Return device slots to the free stack (their pages stay on the host)."""
         count = slots.numel()
@@ -168,8 +212,7 @@ class PagedKV:
         self.transfers.wait_promotions()  # a pending promotion writes into the pool being copied
         self.row_layout = None
         old = self.k_pool.shape[0]
-        self.k_pool = _grow_dim(self.k_pool, 0, old + extra)
-        self.v_pool = _grow_dim(self.v_pool, 0, old + extra)
+        self._set_pools(_grow_dim(self.k_pool, 0, old + extra), _grow_dim(self.v_pool, 0, old + extra))
         # New slots go to the bottom of the stack so recently freed slots are reused first.
         new = torch.arange(old, old + extra, device=self.device)
         self.free = torch.cat([new, self.free[: self.n_free]])
@@ -199,7 +242,8 @@ class PagedKV:
         new_k[1 : 1 + count] = gather_pages(self.k_pool, old_slots)
         new_v[1 : 1 + count] = gather_pages(self.v_pool, old_slots)
         table[resident] = torch.arange(1, 1 + count, device=self.device)
-        self.k_pool, self.v_pool, self.table = new_k, new_v, table
+        self._set_pools(new_k, new_v)
+        self.table = table
         self.table_changed()
         self.free = torch.arange(1 + count, 1 + count + spare, device=self.device).flip(0)
         self.n_free = spare
@@ -221,8 +265,8 @@ class PagedKV:
         old = self.slots_for(pages)
         keys, values = gather_pages(self.k_pool, old), gather_pages(self.v_pool, old)  # copies
         if self.k_pool.shape[0] != need:
-            self.k_pool = self.k_pool.new_zeros(need, *self.k_pool.shape[1:])
-            self.v_pool = self.v_pool.new_zeros(need, *self.v_pool.shape[1:])
+            self._set_pools(self.k_pool.new_zeros(need, *self.k_pool.shape[1:]),
+                            self.v_pool.new_zeros(need, *self.v_pool.shape[1:]))
         self.k_pool[1:].view(n, width, *self.k_pool.shape[1:])[:, :m] = keys
         self.v_pool[1:].view(n, width, *self.v_pool.shape[1:])[:, :m] = values
         base = 1 + torch.arange(n, device=self.device)[:, None] * width  # [N, 1]
@@ -276,6 +320,66 @@ class PagedKV:
         if self.full_pages > old_full:
             self._pages_filled(old_full, self.full_pages)
 
+    def append_offloaded(self, keys: torch.Tensor, values: torch.Tensor, keep: int) -> None:
+        """Append `[B, heads, T, D]` tokens to a tiered store, keeping on the device only the first `keep` pages (the
+        attention sink) and the page being filled.
+
+        Every page this append fills goes to the host tier once, taken from `keys`/`values` themselves (its MinMax
+        entries too), and never takes a device slot; the full pages resident before (a ranking's selection) leave the
+        device as well, since the host holds every full page. So a long prompt fed in chunks never holds more than
+        a chunk of a stable head on the device, and a new turn starts from the sink; the group ranks again at its
+        next decode step and promotes its top-K (`HeadGroup.append`).
+        """
+        p, t = self.page_size, keys.shape[2]
+        start, end = self.length, self.length + t
+        old_full, old_pages = self.full_pages, self.num_pages
+        full_end, pages_end = end // p, math.ceil(end / p)
+        self._ensure_page_capacity(pages_end)
+        self._drop_pages(keep, old_full)  # before allocating, so the new pages reuse the slots
+        stay = [q for q in range(old_pages, pages_end) if q < keep or (q == pages_end - 1 and end % p)]
+        if stay:
+            slots = self._alloc(len(stay) * self.rows)
+            self.table[:, stay] = slots.view(len(stay), self.rows).t()
+            self.table_changed()
+        k_rows = keys.reshape(self.rows, t, self.head_dim)
+        v_rows = values.reshape(self.rows, t, self.value_dim)
+        # Tokens that land in device pages: the old page being filled, kept pages, the new page being filled.
+        on_device = sorted(set(stay) | ({old_full} if start % p else set()))
+        if on_device:
+            pos = torch.cat([torch.arange(max(start, q * p), min(end, (q + 1) * p)) for q in on_device]).to(self.device)
+            flat = (self.table[:, pos // p] * p + pos % p).reshape(-1)
+            self.k_pool.view(-1, self.head_dim).index_copy_(0, flat, k_rows.index_select(1, pos - start).reshape(
+                -1, self.head_dim))
+            self.v_pool.view(-1, self.value_dim).index_copy_(0, flat, v_rows.index_select(1, pos - start).reshape(
+                -1, self.value_dim))
+        if full_end > old_full:
+            kf, vf = k_rows[:, : full_end * p - start], v_rows[:, : full_end * p - start]
+            if start % p:  # the old page being filled is full now: its earlier tokens are on the device
+                slot = self.table[:, old_full]
+                kf = torch.cat([self.k_pool[slot][:, : start % p], kf], dim=1)
+                vf = torch.cat([self.v_pool[slot][:, : start % p], vf], dim=1)
+            filled = full_end - old_full
+            self._pages_filled(old_full, full_end, kf.reshape(self.rows, filled, p, self.head_dim),
+                               vf.reshape(self.rows, filled, p, self.value_dim))
+            if start % p and old_full >= keep:
+                self.transfers.wait_offloads()  # its offload reads the slot before the slot is reused
+                self.release(self.table[:, old_full])
+                self.table[:, old_full] = 0
+                self.table_changed()
+        self.length = end
+
+    def _drop_pages(self, first: int, end: int) -> None:
+        """Free the device slots of the resident pages among `[first, end)` (full pages: the host holds them)."""
+        if end <= first:
+            return
+        slots = self.table[:, first:end]
+        resident = slots[slots != 0]
+        if resident.numel():
+            self.transfers.wait_offloads()  # a dropped page's offload must have read its slot
+            self.release(resident)
+            self.table[:, first:end] = 0
+            self.table_changed()
+
     def table_changed(self) -> None:
         """Call after writing `table` (anything that caches its entries re-reads them)."""
         self.table_version += 1
@@ -288,14 +392,18 @@ class PagedKV:
             self._write_slots = cached
         return cached[2]
 
-    def _pages_filled(self, first: int, end: int) -> None:
-        """Pages `[first, end)` just became full: write their MinMax entries and their host copies."""
-        slots = self.table[:, first:end]  # [N, F]
-        keys = gather_pages(self.k_pool, slots)  # [N, F, P, D]
+    def _pages_filled(self, first: int, end: int, keys: torch.Tensor | None = None,
+                      values: torch.Tensor | None = None) -> None:
+        """Pages `[first, end)` just became full: write their MinMax entries and their host copies.
+
+        Their keys and values (`[N, F, P, D]`) are read from the device pool unless given."""
+        if keys is None:
+            slots = self.table[:, first:end]  # [N, F]
+            keys = gather_pages(self.k_pool, slots)  # [N, F, P, D]
+            values = gather_pages(self.v_pool, slots) if (self.tiered or self.page_means is not None) else None
         s = self.subpages
-        sub = keys.view(keys.shape[0], (end - first) * s, self.page_size // s, self.head_dim)
+        sub = keys.reshape(keys.shape[0], (end - first) * s, self.page_size // s, self.head_dim)
         self.meta_t[:, :, first * s : end * s] = torch.cat([sub.amax(dim=2), sub.amin(dim=2)], dim=-1).transpose(1, 2)
-        values = gather_pages(self.v_pool, slots) if (self.tiered or self.page_means is not None) else None
         if self.page_means is not None:
             self.page_means[:, first:end] = torch.cat([keys.mean(dim=2), values.mean(dim=2)], dim=-1)
         if self.tiered:
@@ -393,6 +501,55 @@ class PagedKV:
         k = k.view(self.batch, self.heads, pages * self.page_size, self.head_dim)[:, :, : self.length]
         v = v.view(self.batch, self.heads, pages * self.page_size, self.value_dim)[:, :, : self.length]
         return k, v
+
+    def read_into(self, k_out: torch.Tensor, v_out: torch.Tensor) -> int:
+        """Write every token held into `k_out`/`v_out` (`[B, heads, >= L, D]` views, any strides; positions `[0, L)`).
+
+        A tiered store reads its full pages from the host tier (which holds them all; on CUDA through a device copy
+        made on the side stream, started early by `start_read_back` where the cache could) and the page being
+        filled from the device; an untiered store reads its pages from the device. Returns the bytes of the device
+        copy it staged for this (0 when the host tier is host memory the device reads: a CPU run)."""
+        p, length = self.page_size, self.length
+        out_k = k_out[:, :, :length]
+        out_v = v_out[:, :, :length]
+        if not self.tiered:
+            pages = self.num_pages
+            slots = self.table[:, :pages]
+            for out, pool in ((out_k, self.k_pool), (out_v, self.v_pool)):
+                gathered = gather_pages(pool, slots).view(self.batch, self.heads, pages * p, pool.shape[-1])
+                out.copy_(gathered[:, :, :length])
+            return 0
+        full, staged = self.full_pages, 0
+        if full:
+            host_k, host_v, staged = self._full_pages_for_read()
+            for out, src in ((out_k, host_k), (out_v, host_v)):
+                dst = out[:, :, : full * p].unflatten(2, (full, p))  # [B, heads, F, P, D]
+                dst.copy_(src.view(full, self.batch, self.heads, p, src.shape[-1]).permute(1, 2, 0, 3, 4))
+        if length > full * p:  # the page being filled is on the device
+            slot = self.table[:, full]
+            for out, pool in ((out_k, self.k_pool), (out_v, self.v_pool)):
+                tail = pool[slot][:, : length - full * p]  # [N, r, D]
+                out[:, :, full * p :].copy_(tail.view(self.batch, self.heads, length - full * p, pool.shape[-1]))
+        return staged
+
+    def start_read_back(self) -> None:
+        """Start the device copy of the host tier's full pages that the next `read_into` reads (CUDA: on the side
+        stream, so it overlaps the compute issued meanwhile; nothing to do where the device reads host memory)."""
+        if self.tiered and self.full_pages and self.transfers.streams is not None:
+            full = self.full_pages
+            self._read_back = (full, self.transfers.read_back(self.host_k[:full], self.host_v[:full]))
+
+    def _full_pages_for_read(self) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """`(keys, values, staged bytes)`: the full pages `[F, N, P, D]` as the device can read them."""
+        full = self.full_pages
+        if self.transfers.streams is None:
+            return self.host_k[:full], self.host_v[:full], 0
+        started, self._read_back = self._read_back, None
+        if started is None or started[0] != full:
+            started = (full, self.transfers.read_back(self.host_k[:full], self.host_v[:full]))
+        keys, values, done = started[1]
+        self.transfers.wait_read_back(done)
+        return keys, values, keys.numel() * keys.element_size() + values.numel() * values.element_size()
 
     # -- tier moves ------------------------------------------------------------------------------
     def promote(self, rows: torch.Tensor, pages: torch.Tensor, slots: torch.Tensor) -> None:

@@ -222,6 +222,10 @@ class PageSelector:
             self._chosen_logits = (chosen, top, logits.view(n, logits.shape[1], c, store.page_size))
         return chosen
 
+    def forget(self) -> None:
+        """Drop the last ranking's logits (tokens were added since: they are no step's any more)."""
+        self._chosen_logits = None
+
     def take_logits(self, pages: torch.Tensor, wanted: bool = True) -> torch.Tensor | None:
         """The logits `[N, G, K*P]` the last ranking computed for `pages`, if `pages` is exactly what it chose; cleared.
 

@@ -28,17 +28,26 @@ def move_tiers(store, old_pages: torch.Tensor, new_sel: torch.Tensor) -> int:
     # is never evicted.
     host_old, host_slots, host_new = to_host(old_pages, old_slots, new_sel)
     with host_work:
-        new_slots, p_rows, p_pages, p_slots, freed = kernels.promotion_plan(host_old, host_slots, host_new)
+        new_slots, p_rows, p_pages, p_slots, freed, n_rows, n_cols = kernels.promotion_plan(
+            host_old, host_slots, host_new)
+        if n_rows.numel():  # the first ranking after a prompt or a turn: more pages come in than leave
+            p_rows, p_pages = torch.cat([p_rows, n_rows]), torch.cat([p_pages, host_new[n_rows, n_cols]])
     if freed.numel():
         store.transfers.wait_offloads()  # a dropped page's host copy must have landed
     # Rewrite the table: old entries out, new entries in (kept pages keep their slot, promoted pages
-    # take an evicted page's slot), then copy only the promoted pages host -> device.
+    # take an evicted page's slot, or a new one), then copy only the promoted pages host -> device.
     rows = torch.arange(store.rows, device=device)[:, None]
     store.table[rows.expand_as(old_pages), old_pages] = 0
-    store.table[rows.expand_as(new_sel), new_sel] = to_device(new_slots, device)
+    slots = to_device(new_slots, device)
+    p_slots = to_device(p_slots, device)
+    if n_rows.numel():
+        fresh = store.alloc_slots(n_rows.numel())
+        slots[to_device(n_rows, device), to_device(n_cols, device)] = fresh
+        p_slots = torch.cat([p_slots, fresh])
+    store.table[rows.expand_as(new_sel), new_sel] = slots
     store.table_changed()
     store.release(to_device(freed, device))
-    store.promote(p_rows, p_pages, to_device(p_slots, device))
+    store.promote(p_rows, p_pages, p_slots)
     return int(p_rows.numel())
 
 

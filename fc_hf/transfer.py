@@ -122,6 +122,17 @@ class CudaStreams:
 
         return self._on_side(copy, (k_pool, v_pool, dst_slots))
 
+    def read_back(self, host_srcs) -> tuple[list[torch.Tensor], torch.cuda.Event]:
+        """Device copies of pinned, contiguous `host_srcs`, made on the side stream after the copies issued before
+        (stream order: the offloads that wrote them); returns the copies and their event."""
+        dsts = [torch.empty(src.shape, dtype=src.dtype, device=self.device) for src in host_srcs]  # compute stream's
+
+        def copy():
+            for dst, src in zip(dsts, host_srcs):
+                dst.copy_(src, non_blocking=True)
+
+        return dsts, self._on_side(copy, dsts)
+
     def compute_wait(self, event) -> None:
         """The compute stream waits for `event` (the host does not)."""
         torch.cuda.current_stream(self.device).wait_event(event)
@@ -242,6 +253,16 @@ class PageTransfers:
         torch.index_select(host_v, 0, idx, out=staging_v[:count])
         self._promotion_done = self.streams.promote(k_pool, v_pool, dst_slots, staging_k[:count], staging_v[:count])
         self._staging_free = self._promotion_done
+
+    def read_back(self, host_k: torch.Tensor, host_v: torch.Tensor):
+        """Start device copies of host-tier pages (`[F, N, P, D]`, contiguous); `(keys, values, done)`, to be read only
+        after `wait_read_back(done)`. The side stream runs them after the offloads issued earlier, which wrote them."""
+        (keys, values), done = self.streams.read_back((host_k, host_v))
+        return keys, values, done
+
+    def wait_read_back(self, done) -> None:
+        """The compute stream waits for a `read_back` before reading its copies."""
+        self.streams.compute_wait(done)
 
     def wait_promotions(self) -> None:
         """Make the compute stream wait for issued promotions before it reads (or replaces) the pools they write."""

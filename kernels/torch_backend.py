@@ -292,6 +292,10 @@ class GatherWorkspace:
         self._buffers: dict = {}  # key -> tensor (only tensors: `nbytes` and `clear` see all of them)
         self._stamps: dict = {}  # key -> what a cached table was built for (its length, its mask)
 
+    def __deepcopy__(self, memo):
+        """A copied cache gets buffers of its own (none yet): two caches never share a workspace."""
+        return GatherWorkspace()
+
     def gather(self, pool: torch.Tensor, flat: torch.Tensor, name: str) -> torch.Tensor:
         """`pool[flat]` written into a reused buffer; valid until the next call with the same `name`."""
         # Inference-mode tensors cannot be written outside inference mode (and vice versa): one buffer each.
@@ -461,13 +465,14 @@ def promotion_plan(
     old_pages: torch.Tensor,
     old_slots: torch.Tensor,
     new_pages: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, ...]:
     """The "swap map" of a re-rank: which resident pages stay, which are promoted and into which slot.
 
     Every row keeps the resident pages that are still selected; each promoted page takes the slot
-    of one evicted page of the same row (no allocation); evicted slots left over are freed. Rows
-    must have at least as many resident pages as newly selected ones (true for FlexiCache: between
-    re-ranks a stable head only gains pages).
+    of one evicted page of the same row (no allocation) while there are any; evicted slots left over
+    are freed. Between re-ranks a stable head only gains pages, so a re-rank always finds a slot; the
+    first ranking after a prompt or a new turn starts from the sink (`PagedKV.append_offloaded`), and
+    its promoted pages beyond the evicted ones are returned apart, to take newly allocated slots.
 
     Args:
         old_pages (`torch.Tensor` of shape `[N, R]`): resident logical pages per row, -1 = empty entry.
@@ -475,10 +480,11 @@ def promotion_plan(
         new_pages (`torch.Tensor` of shape `[N, K]`): newly selected pages per row, -1 = empty entry.
 
     Returns:
-        (new_slots, promo_rows, promo_pages, promo_slots, freed_slots):
-        `new_slots [N, K]` the device slot of every new page (0 for empty entries);
-        `promo_rows, promo_pages, promo_slots [C]` the host->device copy list;
-        `freed_slots [F]` device slots no longer used.
+        (new_slots, promo_rows, promo_pages, promo_slots, freed_slots, need_rows, need_cols):
+        `new_slots [N, K]` the device slot of every new page (0 for empty entries and for the pages that need a
+        new slot); `promo_rows, promo_pages, promo_slots [C]` the host->device copy list into evicted slots;
+        `freed_slots [F]` device slots no longer used; `need_rows, need_cols [E]` the entries of `new_pages`
+        promoted without an evicted slot to take.
     """
     n, r = old_pages.shape
     device = old_pages.device
@@ -489,21 +495,21 @@ def promotion_plan(
     hit_slot = (eq.long() * old_slots[:, :, None]).sum(dim=1)  # slot of the matching old entry
     promoted = (~hit) & (new_pages >= 0)
     evicted = (~kept) & (old_pages >= 0)
-    # The c-th promoted page of a row takes the c-th evicted slot of that row.
+    # The c-th promoted page of a row takes the c-th evicted slot of that row, while there are.
     promo_rank = torch.cumsum(promoted.long(), dim=1) - 1
     evict_rank = torch.cumsum(evicted.long(), dim=1) - 1
     n_promo = promoted.sum(1)
-    if bool((n_promo > evicted.sum(1)).any()):
-        raise RuntimeError("promotion_plan: a row selects more new pages than it can evict")
+    swapped = promoted & (promo_rank < evicted.sum(1)[:, None])
     # Table of evicted slots per row, in order: [N, R], unused entries 0.
     evict_tab = torch.zeros(n, r, dtype=old_slots.dtype, device=device)
     rows_e, cols_e = evicted.nonzero(as_tuple=True)
     evict_tab[rows_e, evict_rank[rows_e, cols_e]] = old_slots[rows_e, cols_e]
-    rows_p, cols_p = promoted.nonzero(as_tuple=True)
+    rows_p, cols_p = swapped.nonzero(as_tuple=True)
     promo_slots = evict_tab[rows_p, promo_rank[rows_p, cols_p]]
     new_slots = torch.where(hit, hit_slot, torch.zeros_like(hit_slot))
     new_slots[rows_p, cols_p] = promo_slots
     # Evicted slots beyond the number of promotions in the row are freed.
     free_mask = evicted & (evict_rank >= n_promo[:, None])
     freed = old_slots[free_mask]
-    return new_slots, rows_p, new_pages[rows_p, cols_p], promo_slots, freed
+    need_rows, need_cols = (promoted & ~swapped).nonzero(as_tuple=True)
+    return new_slots, rows_p, new_pages[rows_p, cols_p], promo_slots, freed, need_rows, need_cols

@@ -101,6 +101,18 @@ class DeferredStreams:
 
         return self._issue(copy, "device")
 
+    def read_back(self, host_srcs):
+        """Device copies of host memory: NaN until landed; landing one lands everything issued before it (a CUDA
+        stream runs in order, so the offloads that wrote those host pages have finished by then)."""
+        self.issued["read_back"] = self.issued.get("read_back", 0) + 1
+        dsts = [torch.full_like(src, NAN) for src in host_srcs]
+
+        def copy():
+            for dst, src in zip(dsts, host_srcs):
+                dst.copy_(src)
+
+        return dsts, self._issue(copy, "read")
+
     def _land(self, upto: FakeEvent | None, kinds: tuple[str, ...]) -> None:
         if upto is not None and all(e is not upto for e, _, _ in self.queue):
             return  # already landed
@@ -116,13 +128,16 @@ class DeferredStreams:
         self.queue = keep
 
     def compute_wait(self, event) -> None:
-        self._land(event, ("device",))
+        if any(e is event and kind == "read" for e, _, kind in self.queue):
+            self._land(event, ("device", "host", "read"))  # in stream order: everything before the read first
+        else:
+            self._land(event, ("device",))
 
     def host_wait(self, event) -> None:
-        self._land(event, ("device", "host"))
+        self._land(event, ("device", "host", "read"))
 
     def host_sync(self) -> None:
-        self._land(None, ("device", "host"))
+        self._land(None, ("device", "host", "read"))
 
 
 @contextmanager

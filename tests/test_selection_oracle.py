@@ -128,8 +128,8 @@ def test_mutant_kmax_kmin_swapped_in_scoring(monkeypatch, page_score):
 def test_mutant_kmax_kmin_swapped_when_written(monkeypatch):
     real = PagedKV._pages_filled
 
-    def swapped(self, first, end):
-        real(self, first, end)
+    def swapped(self, first, end, *args, **kwargs):
+        real(self, first, end, *args, **kwargs)
         d = self.head_dim
         s = self.subpages
         entries = self.meta_t[:, :, first * s : end * s]
