@@ -19,7 +19,8 @@ import triton.language as tl
 from .checks import FLOAT_DTYPES
 
 
-@triton.jit
+# `offset` moves every step; specialised on its value (1, multiples of 16) it would compile new variants mid-decode.
+@triton.jit(do_not_specialize=["offset"])
 def _append_token_kernel(
     k_ptr, v_ptr, heads_ptr, slots_ptr, k_pool_ptr, v_pool_ptr,
     offset, head_dim, v_dim,
@@ -49,7 +50,8 @@ def _append_token_kernel(
 
 
 def _append_plan(keys, values, heads, slots, k_pool, v_pool, offset):
-    """Grid, runtime arguments and constexprs of one `_append_token_kernel` launch (also used by the compile test)."""
+    """Grid, runtime arguments, constexprs and launch options of one `_append_token_kernel` launch (also used by the
+    compile test)."""
     batch, num_heads, d = keys.shape
     hg = num_heads if heads is None else heads.numel()
     args = dict(
@@ -62,7 +64,7 @@ def _append_plan(keys, values, heads, slots, k_pool, v_pool, offset):
     )
     constexprs = dict(HG=hg, HAS_HEADS=heads is not None, BLOCK_D=triton.next_power_of_2(d),
                       BLOCK_DV=triton.next_power_of_2(values.shape[2]))
-    return (batch * hg,), args, constexprs
+    return (batch * hg,), args, constexprs, dict(num_warps=4)
 
 
 def append_token_triton(
@@ -99,8 +101,8 @@ def append_token_triton(
         raise ValueError(f"offset {offset} outside the page [0, {k_pool.shape[1]})")
     if slots.numel() == 0:
         return
-    grid, args, constexprs = _append_plan(keys, values, heads, slots, k_pool, v_pool, offset)
-    _append_token_kernel[grid](**args, **constexprs)
+    grid, args, constexprs, options = _append_plan(keys, values, heads, slots, k_pool, v_pool, offset)
+    _append_token_kernel[grid](**args, **constexprs, **options)
 
 
 __all__ = ["append_token_triton"]

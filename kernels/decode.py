@@ -22,7 +22,13 @@ from .checks import FLOAT_DTYPES, check_page_lists
 _LOG2E = 1.4426950408889634
 
 
-@triton.jit
+# Not specialised on their values (Triton compiles a variant per integer argument that is 1 or a multiple of 16): the
+# length moves every step, the page counts and the page lists' row strides every page, the padding mask's length
+# every step of a padded batch. Specialised, they would compile new variants in the middle of a decode.
+_PER_STEP = ["num_entries", "seq_len", "tv_len", "pages_per_split", "stride_sn", "stride_pn", "stride_tb"]
+
+
+@triton.jit(do_not_specialize=_PER_STEP)
 def _sparse_decode_kernel(
     q_ptr, k_ptr, v_ptr, slots_ptr, pidx_ptr, tv_ptr, out_ptr, part_o_ptr, part_lse_ptr,
     num_entries, seq_len, tv_len, rows_per_batch, pages_per_split, head_dim, v_dim,
@@ -144,7 +150,7 @@ def _sparse_decode_kernel(
         )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _combine_splits_kernel(
     part_o_ptr, part_lse_ptr, out_ptr,
     num_splits, v_dim,
@@ -174,10 +180,17 @@ def _combine_splits_kernel(
 
 
 def _block_sizes(page_size: int, head_dim: int) -> tuple[int, int]:
-    """(PAGE_PAD, PAGES_PER_BLOCK): tokens per loop iteration = PAGE_PAD * PAGES_PER_BLOCK."""
+    """(PAGE_PAD, PAGES_PER_BLOCK): tokens per loop iteration = PAGE_PAD * PAGES_PER_BLOCK.
+
+    With `_NUM_WARPS`, sized so that no variant spills registers on sm_90 with Triton 3.6 or 3.9
+    (tests/test_kernel_compile.py): about 200 registers at 32 tokens of 128 channels. 64 tokens over 4 warps spilled
+    (fp32 pools 600+ bytes on Triton 3.9; bf16 and fp16 too on Triton 3.6)."""
     page_pad = triton.next_power_of_2(page_size)
-    tokens = 64 if head_dim <= 128 else 32
+    tokens = 32 if head_dim <= 128 else 16
     return page_pad, max(1, tokens // page_pad)
+
+
+_NUM_WARPS = 8
 
 
 @functools.lru_cache(maxsize=None)
@@ -211,7 +224,8 @@ def _check_inputs(query, k_pool, v_pool, slots, page_idx, token_valid, rows_per_
 
 def _decode_plan(query, k_pool, v_pool, slots, page_idx, seq_len, scaling, token_valid, rows_per_batch, softcap,
                  out, num_splits, part_o=None, part_lse=None, by_page=False):
-    """Grid, runtime arguments and constexprs of one `_sparse_decode_kernel` launch (also used by the compile test).
+    """Grid, runtime arguments, constexprs and launch options of one `_sparse_decode_kernel` launch (also used by the
+    compile test).
 
     `by_page`: `slots` is the block table `[N, Pcap]` (the kernel looks each page's slot up), not `[N, M]`."""
     n, g, d = query.shape
@@ -253,11 +267,11 @@ def _decode_plan(query, k_pool, v_pool, slots, page_idx, seq_len, scaling, token
         BLOCK_DV=max(16, triton.next_power_of_2(dv)), HAS_TOKEN_VALID=token_valid is not None,
         HAS_SOFTCAP=softcap is not None, SPLIT=split, UPCAST=upcast, SLOTS_BY_PAGE=by_page,
     )
-    return (n, num_splits), args, constexprs
+    return (n, num_splits), args, constexprs, dict(num_warps=_NUM_WARPS)
 
 
 def _combine_plan(part_o, part_lse, out):
-    """Grid, runtime arguments and constexprs of one `_combine_splits_kernel` launch."""
+    """Grid, runtime arguments, constexprs and launch options of one `_combine_splits_kernel` launch."""
     n, s, g, dv = part_o.shape
     args = dict(
         part_o_ptr=part_o, part_lse_ptr=part_lse, out_ptr=out, num_splits=s, v_dim=dv,
@@ -266,7 +280,7 @@ def _combine_plan(part_o, part_lse, out):
         stride_on=out.stride(0), stride_og=out.stride(1), stride_od=out.stride(2),
     )
     constexprs = dict(BLOCK_S=triton.next_power_of_2(s), BLOCK_DV=triton.next_power_of_2(dv))
-    return (n, g), args, constexprs
+    return (n, g), args, constexprs, dict(num_warps=4)
 
 
 def sparse_decode_attention_triton(
@@ -335,14 +349,14 @@ def sparse_decode_attention_triton(
     if num_splits is None:
         _, ppb = _block_sizes(k_pool.shape[1], query.shape[2])
         num_splits = _default_splits(n, page_idx.shape[1], ppb, query.device)
-    grid, args, constexprs = _decode_plan(
+    grid, args, constexprs, options = _decode_plan(
         query, k_pool, v_pool, slots, page_idx, seq_len, scaling, token_valid, rows_per_batch, softcap, out, num_splits,
         by_page=by_page,
     )
-    _sparse_decode_kernel[grid](**args, **constexprs, num_warps=4)
+    _sparse_decode_kernel[grid](**args, **constexprs, **options)
     if constexprs["SPLIT"]:
-        grid, args, constexprs = _combine_plan(args["part_o_ptr"], args["part_lse_ptr"], out)
-        _combine_splits_kernel[grid](**args, **constexprs)
+        grid, args, constexprs, options = _combine_plan(args["part_o_ptr"], args["part_lse_ptr"], out)
+        _combine_splits_kernel[grid](**args, **constexprs, **options)
     return out
 
 

@@ -27,7 +27,10 @@ from .checks import FLOAT_DTYPES, check_page_lists
 _PAGES_PER_PROGRAM = 8
 
 
-@triton.jit
+# Not specialised on their values (Triton compiles a variant per integer argument that is 1 or a multiple of 16): the
+# length moves every step (the padding mask's too, in a padded batch), the candidate count and the page lists' row
+# strides with the page count. Specialised, they would compile new variants in the middle of a decode.
+@triton.jit(do_not_specialize=["num_cand", "seq_len", "tv_len", "stride_sn", "stride_pn", "stride_tb"])
 def _candidate_lse_kernel(
     q_ptr, k_ptr, slots_ptr, pidx_ptr, tv_ptr, lse_ptr,
     num_cand, seq_len, tv_len, rows_per_batch, head_dim, scaling,
@@ -86,7 +89,7 @@ def _candidate_lse_kernel(
         tl.store(lse_ptr + row * stride_ln + offs_g * stride_lg + c * stride_lc, lse, mask=g_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_cand"])
 def _candidate_mass_kernel(
     lse_ptr, forced_ptr, mass_ptr,
     num_cand,
@@ -131,7 +134,8 @@ def _check_inputs(query, k_pool, slots, pages, forced, token_valid, rows_per_bat
 
 
 def _lse_plan(query, k_pool, slots, pages, seq_len, scaling, token_valid, rows_per_batch, lse, by_page=False):
-    """Grid, runtime arguments and constexprs of one `_candidate_lse_kernel` launch (also used by the compile test).
+    """Grid, runtime arguments, constexprs and launch options of one `_candidate_lse_kernel` launch (also used by the
+    compile test).
 
     `by_page`: `slots` is the block table `[N, Pcap]` (the kernel looks each page's slot up), not `[N, C]`."""
     n, g, d = query.shape
@@ -154,11 +158,13 @@ def _lse_plan(query, k_pool, slots, pages, seq_len, scaling, token_valid, rows_p
         PAGES_PER_PROGRAM=_PAGES_PER_PROGRAM, BLOCK_G=max(16, triton.next_power_of_2(g)),
         BLOCK_D=max(16, triton.next_power_of_2(d)), HAS_TOKEN_VALID=token_valid is not None, SLOTS_BY_PAGE=by_page,
     )
-    return (n, triton.cdiv(c, _PAGES_PER_PROGRAM)), args, constexprs
+    # 8 warps past 128 channels: a 4-warp program took ~190 registers there (fp16, head_dim 256), 8 take ~130.
+    options = dict(num_warps=8 if d > 128 else 4)
+    return (n, triton.cdiv(c, _PAGES_PER_PROGRAM)), args, constexprs, options
 
 
 def _mass_plan(lse, forced, mass):
-    """Grid, runtime arguments and constexprs of one `_candidate_mass_kernel` launch."""
+    """Grid, runtime arguments, constexprs and launch options of one `_candidate_mass_kernel` launch."""
     n, g, c = lse.shape
     args = dict(
         lse_ptr=lse, forced_ptr=forced, mass_ptr=mass, num_cand=c,
@@ -167,7 +173,7 @@ def _mass_plan(lse, forced, mass):
         stride_mn=mass.stride(0), stride_mc=mass.stride(1),
     )
     constexprs = dict(G=g, BLOCK_G=triton.next_power_of_2(g), BLOCK_C=triton.next_power_of_2(c))
-    return (n,), args, constexprs
+    return (n,), args, constexprs, dict(num_warps=4)
 
 
 def candidate_mass_triton(
@@ -214,11 +220,11 @@ def candidate_mass_triton(
     if n == 0 or c == 0:
         return mass
     lse = torch.empty(n, g, c, device=query.device, dtype=torch.float32)
-    grid, args, constexprs = _lse_plan(query, k_pool, slots, pages, seq_len, scaling, token_valid, rows_per_batch, lse,
-                                       by_page)
-    _candidate_lse_kernel[grid](**args, **constexprs, num_warps=4)
-    grid, args, constexprs = _mass_plan(lse, forced, mass)
-    _candidate_mass_kernel[grid](**args, **constexprs)
+    grid, args, constexprs, options = _lse_plan(query, k_pool, slots, pages, seq_len, scaling, token_valid,
+                                                rows_per_batch, lse, by_page)
+    _candidate_lse_kernel[grid](**args, **constexprs, **options)
+    grid, args, constexprs, options = _mass_plan(lse, forced, mass)
+    _candidate_mass_kernel[grid](**args, **constexprs, **options)
     return mass
 
 

@@ -13,7 +13,10 @@ import triton.language as tl
 from .checks import FLOAT_DTYPES
 
 
-@triton.jit
+# Not specialised on its value (Triton compiles a variant per argument that is 1 or a multiple of 16): the page count
+# and the output's row stride (a fresh `[N, num_pages]` tensor) change every page, which would compile new variants
+# in the middle of a decode.
+@triton.jit(do_not_specialize=["num_pages", "stride_vn", "stride_on"])
 def _score_pages_kernel(
     q_ptr, meta_ptr, valid_ptr, out_ptr,
     num_pages, head_dim, sink_pages,
@@ -27,7 +30,8 @@ def _score_pages_kernel(
     BLOCK_P: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    row = tl.program_id(0)
+    # int64: `row * stride_mn` passes 2^31 at long contexts (128k tokens and > 512 rows: 2D * Pcap * S per row).
+    row = tl.program_id(0).to(tl.int64)
     offs_p = tl.program_id(1) * BLOCK_P + tl.arange(0, BLOCK_P)
     offs_d = tl.arange(0, BLOCK_D)
     p_ok = offs_p < num_pages
@@ -58,7 +62,8 @@ def _score_pages_kernel(
 
 
 def _score_plan(query, meta, num_pages, page_valid, out, subpages=1, sink_pages=0):
-    """Grid, runtime arguments and constexprs of one `_score_pages_kernel` launch (also used by the compile test)."""
+    """Grid, runtime arguments, constexprs and launch options of one `_score_pages_kernel` launch (also used by the
+    compile test)."""
     n, g, d = query.shape
     if meta.dim() != 3 or meta.shape[0] != n or meta.shape[2] != 2 * d:
         raise ValueError(f"meta must be [N={n}, Pcap, 2D={2 * d}], got {tuple(meta.shape)}")
@@ -72,8 +77,10 @@ def _score_plan(query, meta, num_pages, page_valid, out, subpages=1, sink_pages=
         valid = page_valid.view(torch.uint8)
     else:
         valid = out  # never read: HAS_VALID is False
-    block_d = min(triton.next_power_of_2(d), 128)
-    block_p = 64 if block_d <= 64 else 32
+    # A [32, 64] tile per load over 8 warps: ~75 registers on sm_90, so several blocks share an SM (a [32, 128]
+    # tile over 4 warps took 255 registers, two blocks per SM, on a memory-bound kernel).
+    block_d = min(triton.next_power_of_2(d), 64)
+    block_p = 32
     args = dict(
         q_ptr=query, meta_ptr=meta, valid_ptr=valid, out_ptr=out,
         num_pages=num_pages, head_dim=d, sink_pages=int(sink_pages) if page_valid is None else 0,
@@ -84,7 +91,7 @@ def _score_plan(query, meta, num_pages, page_valid, out, subpages=1, sink_pages=
     )
     constexprs = dict(G=g, SUBPAGES=int(subpages), HAS_VALID=page_valid is not None, BLOCK_P=block_p, BLOCK_D=block_d)
     grid = (n, triton.cdiv(num_pages, block_p))
-    return grid, args, constexprs
+    return grid, args, constexprs, dict(num_warps=8)
 
 
 def score_pages_triton(
@@ -122,6 +129,6 @@ def score_pages_triton(
         torch.Size([16, 600])
     """
     out = torch.empty(query.shape[0], num_pages, device=query.device, dtype=torch.float32)
-    grid, args, constexprs = _score_plan(query, meta, num_pages, page_valid, out, subpages, sink_pages)
-    _score_pages_kernel[grid](**args, **constexprs)
+    grid, args, constexprs, options = _score_plan(query, meta, num_pages, page_valid, out, subpages, sink_pages)
+    _score_pages_kernel[grid](**args, **constexprs, **options)
     return out
