@@ -1,9 +1,10 @@
-"""`flexicache eval {fidelity,freerun,ruler,longbench,leval,agreement,selection,summary,tasks-path,lm-eval}`: accuracy retention against dense.
+"""`flexicache eval {fidelity,freerun,chunked,ruler,longbench,leval,agreement,selection,summary,tasks-path,lm-eval}`: accuracy retention against dense.
 
 Examples:
 
     flexicache eval fidelity --model smollm2-135m-instruct --budgets 1024,2048
     flexicache eval freerun --model smollm2-135m-instruct --methods dense,quest,flexicache --budgets 1024
+    flexicache eval chunked --model smollm2-135m-instruct --lengths 4096,8192 --prompts 3
     flexicache eval ruler --model smollm2-135m-instruct --tasks niah_single_1,ruler_vt --limit 4
     flexicache eval longbench --model smollm2-135m-instruct --data ./LongBench/data --limit 20
     flexicache eval leval --model smollm2-135m-instruct --data ./LEval-data --tasks financial_qa,quality
@@ -84,6 +85,19 @@ def _freerun_options(f):
                         "quest-b1024-page_size=8)")
     f.add_argument("--seed", type=int, default=0, help="bootstrap seed")
     f.add_argument("--resamples", type=int, default=2000, help="bootstrap resamples")
+
+
+def _chunked_options(c):
+    c.add_argument("--model", default="smollm2-135m-instruct", help="bundled model name or a local model folder")
+    c.add_argument("--lengths", type=_csv(int), default=[4096, 8192], help="passage tokens, comma list")
+    c.add_argument("--prompts", type=int, default=3, help="prompts (passages) per length")
+    c.add_argument("--chunk", type=int, default=1024, help="prefill_chunk_size")
+    c.add_argument("--budget", type=int, default=1024, help="token budget")
+    c.add_argument("--new-tokens", type=int, default=64, help="greedy tokens generated per run")
+    c.add_argument("--profile", default=None, help="head profile (default: the shipped profiles/<model>.json)")
+    c.add_argument("--dtype", default="float32", choices=list(DTYPES))
+    c.add_argument("--out", default="results/chunked", help="folder for chunked-<model>.jsonl and chunked.md")
+    c.add_argument("--threads", type=int, default=None, help="torch threads")
 
 
 def _ruler_options(r):
@@ -224,6 +238,20 @@ def _freerun(args) -> int:
     return 0 if results["rows"] else 1
 
 
+def _chunked(args) -> int:
+    from pathlib import Path
+
+    from .chunked import chunked_table, run_chunked
+
+    _set_threads(args)
+    rows = run_chunked(args.model, args.lengths, args.prompts, args.chunk, args.budget, args.new_tokens,
+                       Path(args.out), args.dtype, args.profile)
+    text = chunked_table(rows)
+    (Path(args.out) / f"chunked-{Path(args.model).name}.md").write_text(text)
+    print(text)
+    return 0 if rows else 1
+
+
 def _agreement(args) -> int:
     from .agreement import markdown_path, write_agreement
 
@@ -280,6 +308,8 @@ SUBCOMMANDS: dict[str, Subcommand] = {
                            partial(_evaluate, _fidelity)),
     "freerun": Subcommand("free-running greedy continuations: repeated-4-gram rate vs dense, first divergence",
                           _freerun_options, _freerun),
+    "chunked": Subcommand("chunked prefill and prefix reuse against one prefill at a real budget (equal decodes)",
+                          _chunked_options, _chunked),
     "ruler": Subcommand("lm-eval's offline RULER tasks", _ruler_options, partial(_evaluate, _ruler)),
     "longbench": Subcommand("LongBench (hub THUDM/LongBench or --data folder of <task>.jsonl)", _longbench_options,
                             partial(_evaluate, _longbench)),

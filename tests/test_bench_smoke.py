@@ -280,3 +280,33 @@ def test_variant_options_are_checked_at_the_case_budget():
     assert cfg.token_budget == 64 and cfg.candidate_pages == 8
     with pytest.raises(ValueError, match="refine_pages"):
         bench_common.base_config({"refine_pages": 8}, 1024)
+
+
+def test_capacity_and_chunked_prefill_suites_run(tmp_path):
+    """`flexicache bench capacity chunked-prefill --smoke`: both tables written; dense fits the cap exactly, the
+    counted FlexiCache cases record their peaks and a trace, and a chunked prefill holds no more than the cap."""
+    with contextlib.redirect_stderr(io.StringIO()):
+        assert bench.main(["capacity", "chunked-prefill", "--smoke", "--out", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "capacity.json").read_text())
+    tiny = data["shapes"]["tiny"]
+    assert tiny["analytic"]["dense"] == {"tokens": 512, "batch": 1}
+    cases = tiny["cases"]
+    assert {c["method"] for c in cases} == {"flexicache", "flexicache-chunked"}
+    for c in cases:
+        assert c["cache_peak_bytes"] <= c["peak_bytes"] and c["fits"] == (c["peak_bytes"] <= tiny["cap_bytes"])
+    assert any(c["trace"] for c in cases)
+    assert "| tiny | flexicache-chunked |" in (tmp_path / "capacity.md").read_text()
+    rows = json.loads((tmp_path / "chunked_prefill.json").read_text())["rows"]
+    assert set(rows[0]["times"]) == {"dense/one", "dense/128", "flexicache/one", "flexicache/128"}
+
+
+def test_analytic_peak_fraction():
+    from fc_hf.eval.bench import capacity
+
+    # unchunked: unstable heads + the forward's one layer of the prompt; decode: + the stable heads' top-K and headroom
+    assert capacity.analytic_peak_fraction(0.25, 30, 32768) == pytest.approx(0.25 + 1 / 30)
+    # chunked: + the one-layer read-back, against one chunk of the forward (CUDA: + the next layer's stable pages)
+    assert capacity.analytic_peak_fraction(0.25, 30, 32768, chunk=2048) == pytest.approx(0.25 + 2048 / 32768 / 30 + 1 / 30)
+    cuda = capacity.analytic_peak_fraction(0.25, 30, 32768, chunk=2048, cuda=True)
+    assert cuda == pytest.approx(0.25 + 2048 / 32768 / 30 + 1.75 / 30)
+    assert capacity.analytic_peak_fraction(0.25, 30, 2048) == pytest.approx(0.25 + 0.75 * (1024 + 48) / 2048)

@@ -26,6 +26,11 @@ Suites (run any subset; `all` runs every one):
   Markdown table in `<out>/ops.md`, see `ops.py`. Counts, not timings: it runs on a loaded machine too.
 - `paired`: FlexiCache's decode step against the floor's (dense over `budget` tokens), timed alternately in one
   worker so load drift hits both; the ratio without the noise of timing cases one after another, see `paired.py`.
+- `capacity`: under one device-KV cap (dense's KV at 16k tokens), the longest prompt and the largest batch dense,
+  transformers' offloaded cache (analytic), FlexiCache and FlexiCache with chunked prefill (counted) can prefill and
+  decode 64 tokens with; device bytes over the chunks and steps; bytes moved per step, see `capacity.py`.
+- `chunked-prefill`: a real prefill's time, DynamicCache and FlexiCache, whole and chunked, alternating in one worker
+  (what reading stable pages back per chunk costs).
 - `report`: plots (PNG) and `benchmarks.md` from the JSON files in `--out`.
 
 Every group of timed cases runs in its own subprocess (one model build, then the cases in turn), so
@@ -46,11 +51,12 @@ import json
 import sys
 from pathlib import Path
 
-from . import decode, memory, ops, paired, report
+from . import capacity, decode, memory, ops, paired, report
 
 __all__ = ["main", "SUITES"]
 
-SUITES = ("decode", "prefill", "batch", "rerank", "memory", "promotion", "ops", "paired", "report")
+SUITES = ("decode", "prefill", "batch", "rerank", "memory", "promotion", "ops", "paired", "capacity", "chunked-prefill",
+          "report")
 METHODS = decode.BENCH_METHODS  # dense, floor, quest, flexicache
 SUITE_RUNNERS = {
     "decode": decode.suite_decode,
@@ -61,6 +67,8 @@ SUITE_RUNNERS = {
     "promotion": memory.suite_promotion,
     "ops": ops.suite_ops,
     "paired": paired.suite_paired,
+    "capacity": capacity.suite_capacity,
+    "chunked-prefill": capacity.suite_chunked_prefill,
 }
 
 
@@ -116,6 +124,17 @@ def _parser() -> argparse.ArgumentParser:
                    help="ops suite: an earlier run's ops.json; writes <out>/ops_compare.md with both side by side")
     p.add_argument("--residency-check", action="store_true",
                    help="ops suite: keep FlexiCache's residency check on (a host sync per head group; off on CUDA)")
+    p.add_argument("--capacity-shapes", default="smollm2",
+                   help="capacity/chunked-prefill suites: model shapes (smollm2 = SmolLM2-135M with positions extended, "
+                        "random weights; qwen2.5-0.5b = the bundled Qwen's config and shipped profile)")
+    p.add_argument("--capacity-cap", default="16k", help="capacity suite: the cap is dense's device KV at this length")
+    p.add_argument("--capacity-lengths", default="16k,24k,32k,40k,48k,56k,64k", help="capacity suite: prompt lengths")
+    p.add_argument("--capacity-batches", default="1,2,3,4", help="capacity suite: batch sizes at the cap's length")
+    p.add_argument("--capacity-chunk", type=int, default=2048, help="capacity/chunked-prefill suites: prefill_chunk_size")
+    p.add_argument("--capacity-budget", type=int, default=1024, help="capacity/chunked-prefill suites: token budget")
+    p.add_argument("--capacity-dtype", default="bfloat16", help="capacity suite: K/V dtype (the ratios do not depend on it)")
+    p.add_argument("--chunk-lengths", default="16k,32k", help="chunked-prefill suite: prompt lengths")
+    p.add_argument("--chunk-repeats", type=int, default=2, help="chunked-prefill suite: alternating repeats per case")
     p.add_argument("--threads", type=int, default=0, help="torch threads in the workers (0: torch's default)")
     p.add_argument("--timeout", type=int, default=1800, help="seconds allowed per subprocess group")
     return p
@@ -127,6 +146,9 @@ def main(argv: list[str] | None = None) -> int:
         return decode.worker(json.loads(argv[1]))
     if argv and argv[0] == "_ops_worker":
         return ops.worker(json.loads(argv[1]))
+    if argv and argv[0] in ("capacity_worker", "prefill_worker"):
+        getattr(capacity, argv[0])(json.loads(argv[1]))
+        return 0
     parser = _parser()
     args = parser.parse_args(argv)
     suites = list(SUITES) if "all" in args.suites else args.suites
@@ -138,7 +160,8 @@ def main(argv: list[str] | None = None) -> int:
         smoke = dict(models="tiny", lengths="256,512", batches="1,2", budgets="64,128", steps=4, prefill_lengths="128",
                      batch_length="256", batch_sizes="1,2", memory_lengths="256,512", promotion_budgets="64",
                      ops_shapes="tiny", ops_budget=64, ops_prompt=136, ops_steps=17, ops_triton_budget=64,
-                     ops_triton_prompt=136)
+                     ops_triton_prompt=136, capacity_shapes="tiny", capacity_cap="512", capacity_lengths="512,1024",
+                     capacity_batches="1,2", capacity_chunk=128, capacity_budget=64, chunk_lengths="512", chunk_repeats=1)
         for key, value in smoke.items():
             if getattr(args, key) == parser.get_default(key):
                 setattr(args, key, value)
