@@ -99,6 +99,7 @@ class FlexiCache(Cache):
         self.timings: dict | None = None
         self.workspace = GatherWorkspace()  # gather buffers of this cache's decode steps (PyTorch backend)
         self.ledger = DeviceLedger()  # device KV bytes now and at the peak (`memory_report`)
+        self.read_back_bytes = 0  # the last multi-token step's one-layer read-back (`FlexiCacheLayer._with_past`)
         # Checking that every selected page is resident costs a device sync per head group on CUDA:
         # always on elsewhere, on CUDA only with FLEXICACHE_DEBUG=1 (or by setting this to True).
         self.check_residency: bool | None = None
@@ -158,8 +159,9 @@ class FlexiCache(Cache):
         for layer in self.layers[layer_idx + 1 :]:
             if isinstance(layer, FlexiCacheLayer):
                 if layer.is_initialized:
-                    for store in layer.stores():
-                        store.start_read_back()
+                    staged = sum(store.start_read_back() for store in layer.stores())
+                    if staged:  # held beside this layer's read-back until the next layer reads it
+                        self.ledger.transient(self.read_back_bytes + staged)
                 return
 
     def _check_use_cache(self, cache_kwargs, kwargs) -> None:

@@ -172,7 +172,8 @@ class FlexiCacheLayer(CacheLayerMixin):
                 staged += group.store.read_into(gk, gv) + gk.numel() * gk.element_size() + gv.numel() * gv.element_size()
                 keys[:, :, :past].index_copy_(1, group.head_index, gk)
                 values[:, :, :past].index_copy_(1, group.head_index, gv)
-        self.owner.ledger.transient(keys.numel() * keys.element_size() + values.numel() * values.element_size() + staged)
+        self.owner.read_back_bytes = keys.numel() * keys.element_size() + values.numel() * values.element_size() + staged
+        self.owner.ledger.transient(self.owner.read_back_bytes)
         return keys, values
 
     def _head_order(self) -> tuple[torch.Tensor | None, list[tuple[int, int]], torch.Tensor | None]:

@@ -532,12 +532,16 @@ class PagedKV:
                 out[:, :, full * p :].copy_(tail.view(self.batch, self.heads, length - full * p, pool.shape[-1]))
         return staged
 
-    def start_read_back(self) -> None:
+    def start_read_back(self) -> int:
         """Start the device copy of the host tier's full pages that the next `read_into` reads (CUDA: on the side
-        stream, so it overlaps the compute issued meanwhile; nothing to do where the device reads host memory)."""
-        if self.tiered and self.full_pages and self.transfers.streams is not None:
-            full = self.full_pages
-            self._read_back = (full, self.transfers.read_back(self.host_k[:full], self.host_v[:full]))
+        stream, so it overlaps the compute issued meanwhile; nothing to do where the device reads host memory).
+        Returns the device bytes it allocated."""
+        if not (self.tiered and self.full_pages and self.transfers.streams is not None):
+            return 0
+        full = self.full_pages
+        self._read_back = (full, self.transfers.read_back(self.host_k[:full], self.host_v[:full]))
+        keys, values, _ = self._read_back[1]
+        return keys.numel() * keys.element_size() + values.numel() * values.element_size()
 
     def _full_pages_for_read(self) -> tuple[torch.Tensor, torch.Tensor, int]:
         """`(keys, values, staged bytes)`: the full pages `[F, N, P, D]` as the device can read them."""

@@ -283,7 +283,7 @@ def prefill_worker(spec: dict) -> None:
     profile, _ = bench_profile(config)
     ids = torch.randint(0, config.vocab_size, (1, spec["length"]), generator=torch.Generator().manual_seed(0))
     kwarg = cache_kwarg(model)
-    times = {}
+    times, decode_ms = {}, {}
     cases = [("dense", None), ("dense", spec["chunk"]), ("flexicache", None), ("flexicache", spec["chunk"])]
     for rep in range(spec["repeats"]):
         for method, chunk in cases if rep % 2 == 0 else cases[::-1]:  # ABBA
@@ -293,9 +293,17 @@ def prefill_worker(spec: dict) -> None:
                 t0 = time.perf_counter()
                 _prefill(model, ids, cache, kwarg, chunk)
                 elapsed = time.perf_counter() - t0
+                token, step_times = torch.ones(1, 1, dtype=torch.long), []
+                for step in range(spec["decode_steps"]):  # the decode after it: as fast whichever way it was filled
+                    t0 = time.perf_counter()
+                    token = decode_step(model, cache, kwarg, token, spec["length"] + step)
+                    step_times.append(time.perf_counter() - t0)
             times.setdefault(f"{method}/{chunk or 'one'}", []).append(elapsed)
+            if step_times:
+                decode_ms.setdefault(f"{method}/{chunk or 'one'}", []).append(1e3 * statistics.mean(step_times))
             del cache
-    print(json.dumps({"length": spec["length"], "chunk": spec["chunk"], "times": times}), flush=True)
+    print(json.dumps({"length": spec["length"], "chunk": spec["chunk"], "times": times, "decode_ms": decode_ms}),
+          flush=True)
 
 
 def _prefill(model, ids, cache, kwarg: str, chunk: int | None) -> None:
@@ -309,25 +317,35 @@ def _prefill(model, ids, cache, kwarg: str, chunk: int | None) -> None:
         model(input_ids=part, position_ids=pos, logits_to_keep=1, **{kwarg: cache})
 
 
+def _decode_cell(row) -> str:
+    steps = row.get("decode_ms", {})
+    one, chunked = steps.get("flexicache/one"), steps.get(f"flexicache/{row['chunk']}")
+    if not one or not chunked:
+        return "-"
+    return f"{statistics.median(one):.1f} / {statistics.median(chunked):.1f}"
+
+
 def suite_chunked_prefill(args, out: Path) -> None:
     """`flexicache bench chunked-prefill`: writes `<out>/chunked_prefill.json` and `.md`."""
     rows = []
     for length in parse_sizes(args.chunk_lengths):
         spec = {"shape": args.capacity_shapes.split(",")[0], "length": length, "chunk": args.capacity_chunk,
-                "budget": args.capacity_budget, "repeats": args.chunk_repeats, "threads": args.threads}
+                "budget": args.capacity_budget, "repeats": args.chunk_repeats, "threads": args.threads,
+                "decode_steps": args.chunk_decode_steps}
         log(f"chunked-prefill: {length} tokens, chunk {args.capacity_chunk}, {args.chunk_repeats} alternating repeats")
         found, rc = run_worker("prefill_worker", spec, args.timeout)
         rows.extend(found)
     write_json(out / "chunked_prefill.json", {"environment": environment(), "rows": rows})
     lines = ["| length | chunk | DynamicCache one prefill (s) | DynamicCache chunked (s) | FlexiCache one prefill (s) | "
-             "FlexiCache chunked (s) | FlexiCache chunked / DynamicCache chunked | FlexiCache one / DynamicCache one |",
-             "|---|---|---|---|---|---|---|---|"]
+             "FlexiCache chunked (s) | FlexiCache chunked / DynamicCache chunked | FlexiCache one / DynamicCache one | "
+             "FlexiCache decode step after one / after chunked (ms) |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
         med = {key: statistics.median(values) for key, values in row["times"].items()}
         chunk = row["chunk"]
         lines.append(f"| {row['length']} | {chunk} | {med['dense/one']:.1f} | {med[f'dense/{chunk}']:.1f} | "
                      f"{med['flexicache/one']:.1f} | {med[f'flexicache/{chunk}']:.1f} | "
                      f"{med[f'flexicache/{chunk}'] / med[f'dense/{chunk}']:.3f} | "
-                     f"{med['flexicache/one'] / med['dense/one']:.3f} |")
+                     f"{med['flexicache/one'] / med['dense/one']:.3f} | {_decode_cell(row)} |")
     (out / "chunked_prefill.md").write_text("Medians of alternating runs in one worker.\n\n" + "\n".join(lines) + "\n")
     log(f"chunked-prefill: wrote {out / 'chunked_prefill.md'}")

@@ -135,6 +135,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--capacity-dtype", default="bfloat16", help="capacity suite: K/V dtype (the ratios do not depend on it)")
     p.add_argument("--chunk-lengths", default="16k,32k", help="chunked-prefill suite: prompt lengths")
     p.add_argument("--chunk-repeats", type=int, default=2, help="chunked-prefill suite: alternating repeats per case")
+    p.add_argument("--chunk-decode-steps", type=int, default=32,
+                   help="chunked-prefill suite: decode steps timed after each prefill")
     p.add_argument("--threads", type=int, default=0, help="torch threads in the workers (0: torch's default)")
     p.add_argument("--timeout", type=int, default=1800, help="seconds allowed per subprocess group")
     return p
@@ -161,7 +163,8 @@ def main(argv: list[str] | None = None) -> int:
                      batch_length="256", batch_sizes="1,2", memory_lengths="256,512", promotion_budgets="64",
                      ops_shapes="tiny", ops_budget=64, ops_prompt=136, ops_steps=17, ops_triton_budget=64,
                      ops_triton_prompt=136, capacity_shapes="tiny", capacity_cap="512", capacity_lengths="512,1024",
-                     capacity_batches="1,2", capacity_chunk=128, capacity_budget=64, chunk_lengths="512", chunk_repeats=1)
+                     capacity_batches="1,2", capacity_chunk=128, capacity_budget=64, chunk_lengths="512", chunk_repeats=1,
+                     chunk_decode_steps=4)
         for key, value in smoke.items():
             if getattr(args, key) == parser.get_default(key):
                 setattr(args, key, value)
