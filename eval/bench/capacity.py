@@ -40,7 +40,8 @@ from ..methods import make_cache
 from .common import (bench_profile, build_model, decode_step, environment, log, model_config, parse_sizes,
                      run_worker, unstable_share, write_json)
 
-__all__ = ["analytic_peak_fraction", "suite_capacity", "suite_chunked_prefill", "capacity_worker", "prefill_worker"]
+__all__ = ["analytic_peak_fraction", "suite_capacity", "suite_chunked_prefill", "capacity_worker", "prefill_worker",
+           "real_worker"]
 
 DECODE_STEPS = 64
 
@@ -152,6 +153,60 @@ def capacity_worker(spec: dict) -> None:
         print(json.dumps(result), flush=True)
 
 
+class _AfterPrefill:
+    """A logits processor that only looks: at its first call (right after the prefill) it keeps the cache's memory
+    report, counters and the time since it was made."""
+
+    def __init__(self, cache):
+        self.cache, self.t0, self.report = cache, time.perf_counter(), None
+
+    def __call__(self, input_ids, scores):
+        if self.report is None:
+            self.prefill_s = time.perf_counter() - self.t0
+            self.report, self.stats = self.cache.memory_report(), self.cache.stats()
+        return scores
+
+
+def real_worker(spec: dict) -> None:
+    """A bundled model with its real weights and shipped profile: a real chunked prefill of real text, then 64
+    greedy tokens; the counted peak, the device bytes after, the bytes moved per decode step (JSON lines)."""
+    import json
+
+    from fc_hf.assets import text_tokens
+
+    from ..loading import load_model
+    from ..methods import prepare_model
+
+    torch.set_num_threads(spec.get("threads") or torch.get_num_threads())
+    model, tokenizer, _ = load_model(spec["model"], spec["dtype"])
+    prepare_model(model, "flexicache")
+    profile, label = _profile({"shape": "qwen2.5-0.5b" if "qwen" in spec["model"] else "smollm2"}, model.config)
+    for length in spec["lengths"]:
+        ids = torch.tensor([text_tokens(tokenizer, length, 0)])
+        cache = make_cache("flexicache", model, spec["budget"], profile)
+        seen = _AfterPrefill(cache)
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=DECODE_STEPS + 1,
+                           min_new_tokens=DECODE_STEPS + 1, do_sample=False, prefill_chunk_size=spec["chunk"],
+                           pad_token_id=0, logits_processor=[seen], **{cache_kwarg(model): cache})
+        decode_s = time.perf_counter() - t0 - seen.prefill_s
+        prefill_s, after_prefill, before = seen.prefill_s, seen.report, seen.stats
+        report, after = cache.memory_report(), cache.stats()
+        per_token_layer = report["dense_kv_bytes"] // cache.get_seq_length() // model.config.num_hidden_layers
+        forward = per_token_layer * spec["chunk"]  # the forward's own K/V of one layer of one chunk
+        print(json.dumps({
+            "model": spec["model"], "profile": label, "length": length, "chunk": spec["chunk"],
+            "peak_bytes": report["peak_device_kv_bytes"] + forward, "cache_peak_bytes": report["peak_device_kv_bytes"],
+            "after_prefill_bytes": after_prefill["device_kv_bytes"], "device_kv_bytes_end": report["device_kv_bytes"],
+            "dense_kv_bytes": report["dense_kv_bytes"], "metadata_bytes": report["metadata_bytes"],
+            "promoted_bytes_per_step": (after["bytes_promoted"] - before["bytes_promoted"]) / DECODE_STEPS,
+            "offloaded_bytes_per_step": (after["bytes_offloaded"] - before["bytes_offloaded"]) / DECODE_STEPS,
+            "prefill_s": prefill_s, "decode_s": decode_s,
+        }), flush=True)
+        cache.release()
+
+
 def _shape(spec):
     if spec["shape"] == "qwen2.5-0.5b":
         from fc_hf import assets
@@ -202,8 +257,15 @@ def suite_capacity(args, out: Path) -> None:
         }
         results["shapes"][shape] = {"cap_bytes": cap, "cases": found, "analytic": analytic, "worker_rc": rc}
         rows.append((shape, config, cap, found, analytic))
+    if args.capacity_real:
+        name, _, lengths = args.capacity_real.partition(":")
+        spec = {"model": name, "lengths": parse_sizes(lengths or "16k,32k"), "chunk": chunk, "budget": args.capacity_budget,
+                "dtype": "float32", "threads": args.threads}
+        log(f"capacity: real {name} at {spec['lengths']} tokens, chunk {chunk}")
+        results["real"], _ = run_worker("real_worker", spec, args.timeout)
     write_json(out / "capacity.json", results)
     (out / "capacity.md").write_text(capacity_table(results))
+    plot_capacity(results, out / "capacity.png")
     log(f"capacity: wrote {out / 'capacity.md'}")
 
 
@@ -262,7 +324,59 @@ def capacity_table(results: dict) -> str:
             lines.append(f"| {shape} | {c['method']} | {c['length']} | {c['batch']} | {c['peak_bytes'] / dense_len:.3f} | "
                          f"{c['cache_peak_bytes'] / dense_len:.3f} | {c['device_kv_bytes_end'] / dense_len:.3f} | "
                          f"{analytic:.3f} |")
+    if results.get("real"):
+        lines += ["", "Real weights, real text (King James Bible), chunked prefill then 64 greedy tokens:", "",
+                  "| model | prompt | peak device KV / dense (counted + the forward's chunk) | after the prefill / dense | "
+                  "after decode / dense | bytes promoted per step | bytes offloaded per step | prefill (s) |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for r in results["real"]:
+            dense = r["dense_kv_bytes"]
+            lines.append(f"| {r['model']} | {r['length']} | {r['peak_bytes'] / dense:.3f} | "
+                         f"{r['after_prefill_bytes'] / dense:.3f} | {r['device_kv_bytes_end'] / dense:.3f} | "
+                         f"{r['promoted_bytes_per_step'] / 2**10:.0f} KiB | {r['offloaded_bytes_per_step'] / 2**10:.0f} KiB | "
+                         f"{r['prefill_s']:.0f} |")
     return "\n".join(lines) + "\n"
+
+
+def plot_capacity(results: dict, path: Path) -> None:
+    """Device KV bytes over the prefill chunks and decode steps: the recorded FlexiCache runs (held and peak, per
+    shape), dense and transformers' offloaded cache (analytic, the same prompt), and the cap."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shapes = [(name, data) for name, data in results["shapes"].items() if any(c["trace"] for c in data["cases"])]
+    if not shapes:
+        return
+    fig, axes = plt.subplots(1, len(shapes), figsize=(6.4 * len(shapes), 4.0), squeeze=False)
+    mib = 2**20
+    for ax, (name, data) in zip(axes[0], shapes):
+        config = _shape({"shape": name, "max_positions": 1 << 17})
+        dtype = getattr(torch, results["dtype"])
+        per_token = _kv_bytes_per_token(config, dtype)
+        longest = 0
+        for case in data["cases"]:
+            if not case["trace"]:
+                continue
+            tokens = [t["tokens"] for t in case["trace"]]
+            longest = max(longest, tokens[-1])
+            label = f"{case['method']} ({case['length']} tokens)"
+            line = ax.plot(tokens, [t["device_kv_bytes"] / mib for t in case["trace"]], label=f"{label}: held")[0]
+            ax.plot(tokens, [t["peak_device_kv_bytes"] / mib for t in case["trace"]], linestyle=":",
+                    color=line.get_color(), label=f"{label}: peak so far")
+        xs = [0, longest]
+        ax.plot(xs, [x * per_token / mib for x in xs], color="black", label="dense (DynamicCache)")
+        ax.plot(xs, [2 * x * per_token / config.num_hidden_layers / mib for x in xs], color="gray", linestyle="--",
+                label="offloaded DynamicCache (2 layers on the device)")
+        ax.axhline(data["cap_bytes"] / mib, color="red", linewidth=0.8, label=f"cap: dense at {results['cap_tokens']}")
+        ax.set_xlabel("tokens in the cache (prefill chunks, then decode steps)")
+        ax.set_ylabel("device KV (MiB)")
+        ax.set_title(f"{name}, chunk {results['chunk']}, {results['dtype']}")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def _layers_of(shape: str) -> int:

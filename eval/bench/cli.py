@@ -127,6 +127,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--capacity-shapes", default="smollm2",
                    help="capacity/chunked-prefill suites: model shapes (smollm2 = SmolLM2-135M with positions extended, "
                         "random weights; qwen2.5-0.5b = the bundled Qwen's config and shipped profile)")
+    p.add_argument("--capacity-real", default="",
+                   help='capacity suite: also a bundled model with real weights and text, "MODEL[:LENGTHS]", e.g. '
+                        '"qwen2.5-coder-0.5b-instruct:16k,32k" (chunked prefill, counted)')
     p.add_argument("--capacity-cap", default="16k", help="capacity suite: the cap is dense's device KV at this length")
     p.add_argument("--capacity-lengths", default="16k,24k,32k,40k,48k,56k,64k", help="capacity suite: prompt lengths")
     p.add_argument("--capacity-batches", default="1,2,3,4", help="capacity suite: batch sizes at the cap's length")
@@ -148,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         return decode.worker(json.loads(argv[1]))
     if argv and argv[0] == "_ops_worker":
         return ops.worker(json.loads(argv[1]))
-    if argv and argv[0] in ("capacity_worker", "prefill_worker"):
+    if argv and argv[0] in ("capacity_worker", "prefill_worker", "real_worker"):
         getattr(capacity, argv[0])(json.loads(argv[1]))
         return 0
     parser = _parser()
