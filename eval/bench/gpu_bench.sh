@@ -1,20 +1,61 @@
 #!/usr/bin/env bash
-# FlexiCache GPU benchmark for a 15-minute device lease (see eval/bench/gpu.py).
-# Runs from the repository root without installing anything: builds an import tree in which
-# fc_hf.kernels and fc_hf.eval point at the top-level kernels/ and eval/ folders (as pyproject.toml
-# maps them), then runs the benchmark. Results: $OUT/gpu_bench.json; the table is printed last.
-# Exit status 1 when the sanity check (GPU against the CPU reference, eval/bench/gpu.py) fails.
+# FlexiCache GPU benchmark for one device lease (what it measures: eval/bench/gpu.py).
+#
+# Device command (the `run` tool, from the repository root; carry nothing: it needs only the python3 there, with
+# torch 2.11, Triton 3.6, transformers 5.17 and accelerate 1.15; it installs nothing):
+#     bash eval/bench/gpu_bench.sh             timeout_s 480   expected wall time 4-6 min: starts no case after
+#                                                              5 min, hard stop at 6.5 min (partial results kept)
+#     bash eval/bench/gpu_bench.sh --quick     timeout_s 240   expected wall time 1-2 min (hard stop 2.5 min)
+# Results land under $OUT as the run goes: gpu_bench.json (every number), gpu_bench.md (the table), gpu_bench.log.
+#
+# CPU rehearsal, which CI runs (tests/test_gpu_script.py) under a python3 that has the dependencies but not the
+# project, as on the lent machine; about 30 s:
+#     bash eval/bench/gpu_bench.sh --dry-run
+#
+# Exit status: 0 done; 1 the sanity check failed (or the dry run did); 2 no CUDA device; 124 stopped at the hard
+# limit (the table of what finished is written). PYTHON=... picks another interpreter than python3.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 OUT="${OUT:-$ROOT/results/gpu}"
 mkdir -p "$OUT"
+OUT="$(cd "$OUT" && pwd)"
+PY="${PYTHON:-python3}"
+
+# An import tree in which fc_hf.kernels, fc_hf.eval and fc_hf.profiles are the top-level kernels/, eval/ and
+# profiles/ folders, as pyproject.toml maps them when the project is installed.
 SHADOW="$(mktemp -d)"
 trap 'rm -rf "$SHADOW"' EXIT
 mkdir "$SHADOW/fc_hf"
 for entry in "$ROOT"/fc_hf/*; do ln -s "$entry" "$SHADOW/fc_hf/$(basename "$entry")"; done
 ln -s "$ROOT/kernels" "$SHADOW/fc_hf/kernels"
 ln -s "$ROOT/eval" "$SHADOW/fc_hf/eval"
-export PYTHONPATH="$SHADOW${PYTHONPATH:+:$PYTHONPATH}"
-nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv || true
-python -c "import torch, transformers, triton; print('torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__)"
-exec python -m fc_hf.eval.bench.gpu --out "$OUT" "$@"
+ln -s "$ROOT/profiles" "$SHADOW/fc_hf/profiles"
+# Started from a file in the tree, not with `-m` or `-c`: those put the current directory (the checkout, whose
+# fc_hf/ has no kernels/ or eval/) first on sys.path, ahead of PYTHONPATH.
+cat >"$SHADOW/run_gpu_bench.py" <<'EOF'
+import sys
+
+from fc_hf.eval.bench.gpu import main
+
+sys.exit(main())
+EOF
+export PYTHONPATH="$SHADOW${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+
+LIMIT=390
+for arg in "$@"; do
+    case "$arg" in
+        --quick) LIMIT=150 ;;
+        --dry-run) LIMIT=300 ;;
+    esac
+done
+case " $* " in
+    *" --dry-run "*) ;;
+    *) nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv || true ;;
+esac
+(cd "$SHADOW" && "$PY" -c "import torch, transformers, triton; print('torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__)")
+
+# SIGINT at the hard limit: the script writes what it measured (timeout then exits 124).
+set +e
+timeout -s INT -k 20 "$LIMIT" "$PY" "$SHADOW/run_gpu_bench.py" --out "$OUT" "$@" 2>&1 | tee "$OUT/gpu_bench.log"
+status=${PIPESTATUS[0]}
+exit "$status"
