@@ -16,7 +16,7 @@ pending, or gathering host pages with the CPU before their offload has landed al
 (or as a page missing from a replaced pool) in the tests' outputs.
 
 It also checks what makes those copies asynchronous on CUDA (`HostSideError` otherwise): the host side
-of every copy (`offload`, `promote`, `upload`) is contiguous memory from this backend's `host_empty` (pinned
+of every copy (`offload`, `promote`, `upload`, `read_back`) is contiguous memory from this backend's `host_empty` (pinned
 on CUDA; pinning itself cannot be seen on a CPU), and a device source is contiguous.
 
 Use `deferred_transfers()` (a context manager) to make every store created inside it use this
@@ -105,6 +105,8 @@ class DeferredStreams:
         """Device copies of host memory: NaN until landed; landing one lands everything issued before it (a CUDA
         stream runs in order, so the offloads that wrote those host pages have finished by then)."""
         self.issued["read_back"] = self.issued.get("read_back", 0) + 1
+        for src in host_srcs:
+            self.check_host_side(src, "read_back")
         dsts = [torch.full_like(src, NAN) for src in host_srcs]
 
         def copy():
