@@ -164,14 +164,10 @@ class FlexiCacheLayer(CacheLayerMixin):
         staged = 0
         perm, spans, _ = self._head_order()
         for group, (lo, hi) in zip(self.groups, spans):
-            if perm is None:
-                staged += group.store.read_into(keys[:, lo:hi], values[:, lo:hi])
-            else:  # the group's heads are not a run: read into their own tensors, then copy into place
-                gk = key_states.new_empty(b, hi - lo, past, self.head_dim)
-                gv = value_states.new_empty(b, hi - lo, past, self.value_dim)
-                staged += group.store.read_into(gk, gv) + gk.numel() * gk.element_size() + gv.numel() * gv.element_size()
-                keys[:, :, :past].index_copy_(1, group.head_index, gk)
-                values[:, :, :past].index_copy_(1, group.head_index, gv)
+            if perm is None:  # the group's heads are a run: its span of the layer's tensors
+                staged = max(staged, group.store.read_into(keys[:, lo:hi], values[:, lo:hi]))
+            else:  # written into the group's heads of the layer's tensors (no copy of its own)
+                staged = max(staged, group.store.read_into(keys, values, heads=group.head_index))
         self.owner.read_back_bytes = keys.numel() * keys.element_size() + values.numel() * values.element_size() + staged
         self.owner.ledger.transient(self.owner.read_back_bytes)
         return keys, values

@@ -502,34 +502,43 @@ class PagedKV:
         v = v.view(self.batch, self.heads, pages * self.page_size, self.value_dim)[:, :, : self.length]
         return k, v
 
-    def read_into(self, k_out: torch.Tensor, v_out: torch.Tensor) -> int:
-        """Write every token held into `k_out`/`v_out` (`[B, heads, >= L, D]` views, any strides; positions `[0, L)`).
+    def read_into(self, k_out: torch.Tensor, v_out: torch.Tensor, heads: torch.Tensor | None = None) -> int:
+        """Write every token held into `k_out`/`v_out` (`[B, heads, >= L, D]` views, any strides; positions `[0, L)`);
+        with `heads` (`[heads]`), into those heads of `[B, H, >= L, D]` tensors holding every head of the layer.
 
         A tiered store reads its full pages from the host tier (which holds them all; on CUDA through a device copy
         made on the side stream, started early by `start_read_back` where the cache could) and the page being
         filled from the device; an untiered store reads its pages from the device. Returns the bytes of the device
         copy it staged for this (0 when the host tier is host memory the device reads: a CPU run)."""
         p, length = self.page_size, self.length
-        out_k = k_out[:, :, :length]
-        out_v = v_out[:, :, :length]
+
+        def put(out, lo, hi, src):  # src: [B, heads, hi - lo, D] (any strides)
+            if heads is None:
+                out[:, :, lo:hi].copy_(src)
+            else:
+                out[:, :, lo:hi].index_copy_(1, heads, src)
+
         if not self.tiered:
             pages = self.num_pages
             slots = self.table[:, :pages]
-            for out, pool in ((out_k, self.k_pool), (out_v, self.v_pool)):
+            for out, pool in ((k_out, self.k_pool), (v_out, self.v_pool)):
                 gathered = gather_pages(pool, slots).view(self.batch, self.heads, pages * p, pool.shape[-1])
-                out.copy_(gathered[:, :, :length])
+                put(out, 0, length, gathered[:, :, :length])
             return 0
         full, staged = self.full_pages, 0
         if full:
             host_k, host_v, staged = self._full_pages_for_read()
-            for out, src in ((out_k, host_k), (out_v, host_v)):
-                dst = out[:, :, : full * p].unflatten(2, (full, p))  # [B, heads, F, P, D]
-                dst.copy_(src.view(full, self.batch, self.heads, p, src.shape[-1]).permute(1, 2, 0, 3, 4))
+            for out, src in ((k_out, host_k), (v_out, host_v)):
+                pages = src.view(full, self.batch, self.heads, p, src.shape[-1]).permute(1, 2, 0, 3, 4)  # [B, h, F, P, D]
+                if heads is None:
+                    out[:, :, : full * p].unflatten(2, (full, p)).copy_(pages)
+                else:
+                    out[:, :, : full * p].unflatten(2, (full, p)).index_copy_(1, heads, pages)
         if length > full * p:  # the page being filled is on the device
             slot = self.table[:, full]
-            for out, pool in ((out_k, self.k_pool), (out_v, self.v_pool)):
+            for out, pool in ((k_out, self.k_pool), (v_out, self.v_pool)):
                 tail = pool[slot][:, : length - full * p]  # [N, r, D]
-                out[:, :, full * p :].copy_(tail.view(self.batch, self.heads, length - full * p, pool.shape[-1]))
+                put(out, full * p, length, tail.view(self.batch, self.heads, length - full * p, pool.shape[-1]))
         return staged
 
     def start_read_back(self) -> int:

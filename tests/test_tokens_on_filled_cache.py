@@ -351,3 +351,20 @@ def test_a_short_attention_mask_is_refused_before_anything_is_written():
         model(input_ids=new, attention_mask=torch.ones(1, 5, dtype=torch.long), **cache_kwargs(model, cache))
     assert cache.get_seq_length() == 20
     assert all(isinstance(l, FlexiCacheLayer) for l in cache.layers)
+
+
+def test_read_back_into_heads_that_are_not_a_run():
+    """Groups whose heads interleave (unstable 0 and 2, stable 1 and 3): each writes its heads of the layer's read-back
+    in place; what the model gets back is every token in head order."""
+    from conftest import tiny_config
+
+    config = tiny_config("llama", layers=2, heads=8, kv_heads=4, head_dim=16)
+    profile = HeadProfile.from_unstable(config, [(0, 0), (0, 2), (1, 3)])
+    keys, values = _kv(90, 11, heads=4)
+    cache = FlexiCache(config, LOW, profile)
+    _feed(cache, keys, values, [33, 20, 37])  # `_feed` checks every returned K/V against what was fed
+    perm, _, _ = cache.flexi_layers[0]._head_order()
+    assert perm is not None  # the groups' heads are not runs: the indexed path ran
+    # One layer's read-back is the transient: K and V of 90 tokens of one layer, no per-group copies on top.
+    one_layer = 2 * 2 * 4 * 90 * 16 * 4
+    assert cache.ledger.peak <= cache.ledger.current + one_layer
