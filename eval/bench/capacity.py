@@ -242,7 +242,7 @@ def suite_capacity(args, out: Path) -> None:
         lengths = parse_sizes(args.capacity_lengths)
         batches = parse_sizes(args.capacity_batches)
         cases = [{"length": n, "batch": 1, "chunk": chunk, "record": n == lengths[-1]} for n in lengths]
-        cases += [{"length": n, "batch": 1, "chunk": None, "record": n == cap_len} for n in lengths if n <= 2 * cap_len]
+        cases += [{"length": n, "batch": 1, "chunk": None, "record": n == cap_len} for n in lengths]
         cases += [{"length": cap_len, "batch": b, "chunk": chunk} for b in batches if b > 1]
         spec = {"shape": shape, "max_positions": 1 << 17, "budget": args.capacity_budget, "dtype": args.capacity_dtype,
                 "cap_bytes": cap, "cases": cases, "threads": args.threads}
