@@ -45,8 +45,18 @@ def flexicache_attention_forward(
     if isinstance(key, DecodePlaceholder):
         if scaling is None:
             scaling = getattr(module, "scaling", query.shape[-1] ** -0.5)
-        out = key.fc_layer.attend(query, attention_mask, scaling, kwargs.get("softcap"))
-        return out, None
+        layer = key.fc_layer
+        prompt = layer.take_prompt_kv()
+        if prompt is None:
+            return layer.attend(query, attention_mask, scaling, kwargs.get("softcap")), None
+        # Speculative decoding's first forward: the prompt then the first candidates. The prompt's queries attend
+        # densely over it, as its prefill would; the candidates' are decode steps.
+        pk, pv = prompt
+        n = query.shape[2] - (key.shape[2] - pk.shape[2])
+        mask = attention_mask[:, :, :n, : pk.shape[2]] if isinstance(attention_mask, torch.Tensor) else attention_mask
+        dense, _ = flexicache_attention_forward(module, query[:, :, :n], pk, pv, mask, dropout, scaling, **kwargs)
+        rest = layer.attend(query[:, :, n:], attention_mask, scaling, kwargs.get("softcap"))
+        return torch.cat([dense, rest], dim=1), None
     observer = getattr(key, "fc_observe", None)  # profile="auto" with zero warm-up: trace the prompt's last queries
     if observer is not None:
         observer.observe_prefill(query, attention_mask, scaling if scaling is not None else getattr(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import sys
 
 import torch
 from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLayer
@@ -16,6 +17,7 @@ from .layer import FlexiCacheLayer
 from .ledger import DeviceLedger
 from .online import OnlineClassifier, check_auto_config
 from .profile import HeadProfile, attention_shape
+from .speculative import assisted_loop_prompt, check_auto_profile, check_loop_start
 
 logger = logging.getLogger("fc_hf")
 
@@ -104,6 +106,7 @@ class FlexiCache(Cache):
         # always on elsewhere, on CUDA only with FLEXICACHE_DEBUG=1 (or by setting this to True).
         self.check_residency: bool | None = None
         self._mask_memo = None
+        self.prompt_end: int | None = None  # speculative decoding: where the assisted loop's prompt ends
         layers = []
         for idx, kind in enumerate(_layer_types(text)):
             if kind in _SLIDING:
@@ -145,7 +148,7 @@ class FlexiCache(Cache):
         layer = self.layers[layer_idx]
         if isinstance(layer, FlexiCacheLayer):
             out = super().update(key_states, value_states, layer_idx)
-            if key_states.shape[2] > 1 and layer.length > key_states.shape[2]:
+            if key_states.shape[2] > 1 and layer.length > key_states.shape[2] and not layer.pending:  # read back
                 self._start_read_back_after(layer_idx)
             return out
         held = _dense_bytes(layer)  # a dense or sliding-window layer: its K/V count towards the device bytes too
@@ -178,6 +181,53 @@ class FlexiCache(Cache):
                 "use_cache=True (the default) with a FlexiCache, or pass no cache. Nothing was written."
             )
 
+    # -- speculative decoding (`fc_hf/speculative.py`) ---------------------------------------------
+    def activate_past_recording(self) -> None:
+        """Keep what `crop(-n)` needs to take decode tokens back exactly; transformers' assisted decoding and prompt
+        lookup call this before their loop. Until recording ends, every token after the prompt is a decode step,
+        however many a forward brings."""
+        check_auto_profile(self.auto)
+        prompt = assisted_loop_prompt(sys._getframe(1))
+        if prompt is not None:
+            check_loop_start(prompt, self.get_seq_length(self._first_flexi_idx or 0))
+            self.prompt_end = prompt.shape[1]
+        super().activate_past_recording()  # sliding-window layers keep their states until `crop`; ours mark
+
+    def deactivate_past_recording(self) -> None:
+        """End recording: the tokens so far stay, and several tokens on a filled cache attend densely again (a new
+        turn). `generate` ends it at the start of each call given this cache."""
+        for layer in self.layers:
+            if isinstance(layer, FlexiCacheLayer):
+                layer.commit()
+            if hasattr(layer, "record_past"):
+                layer.record_past = False
+        self.prompt_end = None
+
+    @property
+    def _is_user_defined(self) -> bool:
+        return self.__dict__.get("_user_defined", False)
+
+    @_is_user_defined.setter
+    def _is_user_defined(self, value: bool) -> None:
+        # transformers' generate sets this on a cache it is given, at the start of every call: an assisted loop before
+        # it has ended (transformers leaves recording on after one).
+        self.__dict__["_user_defined"] = value
+        self.deactivate_past_recording()
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Take back the last `-tokens_to_remove` tokens exactly (transformers' assisted decoding after each
+        verification; 0 keeps them all): the cache is then as if it had never seen them. Only decode tokens fed since
+        the last crop while recording can be taken back; anything else raises before any layer changes."""
+        for layer in self.flexi_layers:
+            layer.crop_mark(tokens_to_remove)
+        for layer in self.layers:
+            if isinstance(layer, FlexiCacheLayer):
+                layer.crop(tokens_to_remove)
+            else:
+                held = _dense_bytes(layer)
+                layer.crop(tokens_to_remove)
+                self.ledger.resized(held, _dense_bytes(layer))
+
     @property
     def flexi_layers(self) -> list[FlexiCacheLayer]:
         return [l for l in self.layers if isinstance(l, FlexiCacheLayer)]
@@ -186,7 +236,8 @@ class FlexiCache(Cache):
         """Refuse a forward pass whose pages would exceed `max_device_pages`, before any layer writes."""
         bound = self.cache_config.max_device_pages
         b, _, t, _ = key_states.shape
-        needed = sum(group.slots_after(t, b) for layer in self.flexi_layers for group in layer.groups)
+        needed = sum(group.slots_after(t, b, decode=layer.prompt_tokens(t) == 0) for layer in self.flexi_layers
+                     for group in layer.groups)
         if needed > bound:
             held = self.get_seq_length(self._first_flexi_idx)
             state = "The cache is still empty." if held == 0 else (
@@ -310,6 +361,7 @@ class FlexiCache(Cache):
         """Free every tensor this cache holds; the cache cannot be used afterwards."""
         for idx, layer in enumerate(self.layers):
             if isinstance(layer, FlexiCacheLayer):
+                layer.commit()
                 for group in layer.groups:
                     if group.store is not None:
                         group.store.free_device()

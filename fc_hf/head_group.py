@@ -99,15 +99,16 @@ class HeadGroup:
         self._pages_memo = self._slots_memo = self._checked_slots = None
         self.selector.forget()  # nothing ranked before these tokens is re-used
 
-    def slots_after(self, tokens: int, batch: int) -> int:
-        """Device slots this group holds once `tokens` more tokens are in and (at a decode step that ranks after a
-        prompt or a turn) its first ranking has promoted its top-K: what `max_device_pages` is checked against."""
+    def slots_after(self, tokens: int, batch: int, decode: bool = False) -> int:
+        """Device slots this group holds once `tokens` more tokens are in (`decode`: as decode steps, the tokens
+        speculative decoding verifies) and (at a decode step that ranks after a prompt or a turn) its first ranking has
+        promoted its top-K: what `max_device_pages` is checked against."""
         p = self.cfg.page_size
         store = self.store
         length = 0 if store is None else store.length
         rows = batch * len(self.heads) if store is None else store.rows
         end = length + tokens
-        if self.tiered and tokens > 1:  # the sink and the page being filled (`PagedKV.append_offloaded`)
+        if self.tiered and tokens > 1 and not decode:  # the sink and the page being filled (`PagedKV.append_offloaded`)
             return (min(self.cfg.sink_pages, end // p) + (end % p > 0)) * rows
         held = math.ceil(end / p) * rows if store is None else store.slots_in_use() + store.slots_needed(tokens)
         if self.tiered and self.rank_next:
@@ -281,6 +282,20 @@ class HeadGroup:
             self._apply(*self.pending)
             self.pending = None
         return out
+
+    # -- rollback (speculative decoding, `fc_hf/speculative.py`) -----------------------------------
+    def mark(self) -> tuple:
+        """This group's selection state and schedule now, with its store's mark (see `PagedKV.mark`)."""
+        return (self.store.mark(), self.sel, self.pages_at_rank, self.pending, self.compacted, self.rankings,
+                len(self.promoted_fractions), self.rank_next, self._after_append)
+
+    def restore(self, mark: tuple) -> None:
+        store_mark, self.sel, self.pages_at_rank, self.pending, self.compacted, self.rankings, fractions, \
+            self.rank_next, self._after_append = mark
+        self.store.restore(store_mark)
+        del self.promoted_fractions[fractions:]
+        self._pages_memo = self._slots_memo = self._checked_slots = None
+        self.selector.forget()
 
     def select_rows(self, batch_index: torch.Tensor) -> None:
         if self.store is None:

@@ -61,7 +61,7 @@ class FlexiCacheLayer(CacheLayerMixin):
     """The FlexiCache store of one full-attention layer (never set `_layer_type` here; see SPEC §3)."""
 
     is_sliding = False
-    is_croppable = False
+    is_croppable = True  # crop(-n) restores a mark (speculative decoding)
     is_compileable = False
 
     def __init__(self, layer_idx: int, num_kv_heads: int, cfg, unstable: set[int], streaming: set[int], owner):
@@ -75,6 +75,12 @@ class FlexiCacheLayer(CacheLayerMixin):
         self.steps = 0  # decode steps seen by this layer
         self.pending = False  # a placeholder was handed out and not yet consumed by the attention function
         self.regrouped_after_step: int | None = None  # profile="auto": the step after which the heads were re-split
+        # Speculative decoding (`fc_hf/speculative.py`): while recording, a mark before each decode token, dropped at
+        # each crop; the decode tokens of a forward with several (K, V, and the prompt's K/V before them, or None)
+        # until its attention takes them.
+        self.record_past = False
+        self._marks: list[tuple] = []
+        self._block: tuple | None = None
 
     def _make_groups(self, unstable: set[int], streaming: set[int]) -> list[HeadGroup]:
         kinds = {
@@ -116,11 +122,69 @@ class FlexiCacheLayer(CacheLayerMixin):
             found = auto.decide(self.steps)  # the first layer classifies; None: postponed
             if found is not None:
                 self.regroup(auto.unstable_in(self.layer_idx))
+        prompt = self.prompt_tokens(t)
+        if prompt == t:
+            return self._take_prompt(key_states, value_states)
+        b, h = key_states.shape[:2]
+        if t == 1:  # a decode step: FlexiCache's attention function attends with this layer (`attend`)
+            self._decode_token(key_states, value_states)
+        else:
+            # Several decode steps in one forward (speculative decoding verifies its candidates so): `attend` appends
+            # and attends them one at a time. The first forward of that loop starts with the prompt: it is taken now,
+            # and its queries attend densely over it (the attention function takes it from the placeholder).
+            prompt_kv = None
+            if prompt:
+                prompt_kv = self._take_prompt(key_states[:, :, :prompt], value_states[:, :, :prompt])
+            self._block = (key_states[:, :, prompt:], value_states[:, :, prompt:], prompt_kv)
+        self.pending = True
+        length = self.length + (0 if self._block is None else self._block[0].shape[2])
+        return (
+            _placeholder(self, b, h, length, self.head_dim, key_states),
+            _placeholder(self, b, h, length, self.value_dim, value_states),
+        )
+
+    def prompt_tokens(self, t: int) -> int:
+        """How many of `t` new tokens are a prompt (or a prefill chunk, a new turn) that attends densely; the others
+        are decode steps. One token on a filled cache is a decode step, several are a prompt, except while
+        recording past states for speculative decoding: then every token after the prompt is a decode step, so each
+        verified candidate attends as plain decoding would have (`fc_hf/speculative.py`)."""
+        if not self.record_past:
+            return t if t > 1 or self.length == 0 else 0
+        end = self.owner.prompt_end
+        if end is None:  # where the prompt ends is not known: the first forward is taken as the prompt
+            end = t if self.length == 0 else self.length
+        return min(t, max(0, end - self.length))
+
+    def _take_prompt(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append tokens that attend densely (a prompt, a chunk, a turn); returns the K/V they attend over."""
+        t = key_states.shape[2]
         past = self.length
         if past > 0 and t > 1:
             # Tokens on a filled cache (a prefill chunk, a new turn): they attend exactly, over every earlier token
             # read back from both tiers (this layer only) and over each other; read before the append drops pages.
             key_all, value_all = self._with_past(key_states, value_states)
+        self._append(key_states, value_states)
+        self.length += t
+        if past > 0 and t > 1:
+            return key_all, value_all
+        auto = self.owner.auto
+        if auto is not None and auto.observing and t > 1:
+            # Zero warm-up: the attention function finds this layer on the keys and traces the prompt's
+            # last queries (`observe_prefill`); a view, so the model's own tensor is left untouched.
+            key_states = key_states.view_as(key_states)
+            key_states.fc_observe = self
+        return key_states, value_states  # prefill: dense attention over exactly these
+
+    def _decode_token(self, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Append one decode step's token `[B, H, 1, D]` (marked first while recording, so `crop` can take it back)."""
+        if self.record_past:
+            self._marks.append(self._mark())
+        self._append(key, value)
+        self.length += 1
+        self.steps += 1
+
+    def _append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        t = key_states.shape[2]
         backend = self.cfg.backend
         if len(self.groups) == 1:  # one group holds every head, in order: nothing to pick
             self.groups[0].append(key_states, value_states, backend=backend)
@@ -133,23 +197,6 @@ class FlexiCacheLayer(CacheLayerMixin):
             vp = value_states if perm is None else value_states.index_select(1, perm)
             for group, (lo, hi) in zip(self.groups, spans):
                 group.append(kp[:, lo:hi], vp[:, lo:hi], backend=backend)
-        self.length += t
-        if past > 0 and t > 1:
-            return key_all, value_all
-        if t > 1 or self.length == 1:
-            if auto is not None and auto.observing and t > 1:
-                # Zero warm-up: the attention function finds this layer on the keys and traces the prompt's
-                # last queries (`observe_prefill`); a view, so the model's own tensor is left untouched.
-                key_states = key_states.view_as(key_states)
-                key_states.fc_observe = self
-            return key_states, value_states  # prefill: dense attention over exactly these
-        self.steps += 1
-        self.pending = True
-        b, h = key_states.shape[:2]
-        return (
-            _placeholder(self, b, h, self.length, self.head_dim, key_states),
-            _placeholder(self, b, h, self.length, self.value_dim, value_states),
-        )
 
     def _with_past(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """`[B, H, L + T, D]` keys and values: the L tokens held (from the device where resident, else the host tier,
@@ -220,11 +267,49 @@ class FlexiCacheLayer(CacheLayerMixin):
     def reset(self) -> None:
         raise FlexiCacheError("FlexiCache cannot be reset in place; create a new FlexiCache instead.")
 
+    # -- speculative decoding (`fc_hf/speculative.py`) ---------------------------------------------
+    def activate_past_recording(self) -> None:
+        self.record_past = True
+
     def crop(self, tokens_to_remove: int) -> None:
+        """Take back the last `-tokens_to_remove` tokens (the rejected candidates of a verification), exactly: the
+        layer is then as if it had never seen them. 0 commits. Either way the marks taken since the last crop go."""
+        mark = self.crop_mark(tokens_to_remove)
+        if mark is not None:
+            length, steps, groups = mark
+            for group, group_mark in zip(self.groups, groups):
+                group.restore(group_mark)
+            self.length, self.steps = length, steps
+        self.commit()
+
+    def crop_mark(self, tokens_to_remove: int) -> tuple | None:
+        """The mark `crop(tokens_to_remove)` restores (None for 0); raises, changing nothing, when there is none."""
+        if tokens_to_remove > 0:
+            raise FlexiCacheError(
+                f"crop({tokens_to_remove}): FlexiCache takes the number of tokens to remove as a negative number "
+                "(crop(-n)), as transformers' caches do; crop(0) keeps every token."
+            )
+        if tokens_to_remove == 0:
+            return None
+        target = self.length + tokens_to_remove
+        for mark in self._marks:
+            if mark[0] == target:
+                return mark
         raise FlexiCacheError(
-            "FlexiCache cannot be cropped (assisted / speculative decoding rolls tokens back). Use DynamicCache for "
-            "assisted decoding."
+            f"crop({tokens_to_remove}) on a FlexiCache holding {self.length} tokens: it can take back only decode "
+            f"tokens fed since its last crop while recording past states ({len(self._marks)} now). Call "
+            "cache.activate_past_recording() before those tokens (transformers' assisted decoding and prompt lookup "
+            "do). Nothing was changed."
         )
+
+    def commit(self) -> None:
+        """Drop the marks: the tokens fed so far stay."""
+        self._marks.clear()
+        for store in self.stores():
+            store.drop_marks()
+
+    def _mark(self) -> tuple:
+        return (self.length, self.steps, [group.mark() for group in self.groups])
 
     def offload(self):  # the host tier is FlexiCache's own; transformers' whole-layer offloading does not apply
         pass
@@ -244,6 +329,7 @@ class FlexiCacheLayer(CacheLayerMixin):
             return
         if indices.dtype == torch.bool:
             indices = indices.nonzero().flatten()
+        self.commit()  # marks hold the old rows
         for group in self.groups:
             group.select_rows(indices)
         if self.owner.auto is not None:
@@ -251,14 +337,40 @@ class FlexiCacheLayer(CacheLayerMixin):
         self.batch = int(indices.numel())
 
     # -- decode attention ------------------------------------------------------------------------
+    def take_prompt_kv(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The K/V the prompt's queries attend over when this forward began with a prompt before its decode steps (the
+        first forward of speculative decoding; the attention function attends them densely), else None."""
+        return None if self._block is None else self._block[2]
+
     def attend(self, query: torch.Tensor, attention_mask, scaling: float, softcap: float | None) -> torch.Tensor:
-        """Sparse decode attention for this layer. `query [B, Hq, 1, D]` -> `[B, 1, Hq, D]`."""
+        """Sparse decode attention for this layer's decode steps. `query [B, Hq, T, D]` -> `[B, T, Hq, D]`.
+
+        Several decode steps in one forward (speculative decoding) run one after the other, each token appended just
+        before its query attends: every query ranks, selects and attends exactly as it would at its own step of plain
+        decoding, including a stable head's re-rank among them, which the queries after it see."""
         self.pending = False
-        b, hq, q_len, d = query.shape
-        if q_len != 1:
-            raise FlexiCacheError(f"FlexiCache decode expects one query token, got {q_len}.")
+        block, self._block = self._block, None
+        if block is None:
+            if query.shape[2] != 1:
+                raise FlexiCacheError(f"FlexiCache decode expects one query token, got {query.shape[2]}.")
+            return self._attend_step(query, attention_mask, scaling, softcap)
+        keys, values, _ = block
+        b, hq, t, _ = query.shape
+        if keys.shape[2] != t:
+            raise FlexiCacheError(
+                f"FlexiCache layer {self.layer_idx} was given {keys.shape[2]} decode tokens but {t} queries."
+            )
+        out = query.new_empty(b, t, hq, self.value_dim)
+        for j in range(t):
+            self._decode_token(keys[:, :, j : j + 1], values[:, :, j : j + 1])
+            out[:, j : j + 1] = self._attend_step(query[:, :, j : j + 1], attention_mask, scaling, softcap)
+        return out
+
+    def _attend_step(self, query: torch.Tensor, attention_mask, scaling: float, softcap: float | None) -> torch.Tensor:
+        """One decode step's attention, its token appended already. `query [B, Hq, 1, D]` -> `[B, 1, Hq, D]`."""
+        b, hq, _, d = query.shape
         groups = hq // self.num_kv_heads
-        q = query.view(b, self.num_kv_heads, groups, d)
+        q = query.reshape(b, self.num_kv_heads, groups, d)
         token_valid, page_valid_full = self.owner.padding_info(attention_mask, self.length, self.cfg.page_size)
         check = self.owner.residency_check_for(self.device)
         if b == 1 and len(self.groups) > 1:

@@ -100,6 +100,7 @@ class PagedKV:
         self.row_layout: dict | None = None
         self._read_back: tuple | None = None  # (full pages, copy) started by `start_read_back`
         self.counters = {"pages_offloaded": 0, "bytes_offloaded": 0, "pages_promoted": 0, "bytes_promoted": 0}
+        self._marked = False  # a mark holds the table, free stack and pools: copy them before rewriting (`unshare`)
 
     def __deepcopy__(self, memo):
         """An independent store: every tensor copied once its pending copies have landed, the host tier into new
@@ -202,6 +203,7 @@ class PagedKV:
         count = slots.numel()
         if count == 0:
             return
+        self.unshare()  # the entries above the stack top may be a mark's
         self.row_layout = None
         if self.n_free + count > self.free.numel():
             self.free = _grow_dim(self.free, 0, self.n_free + count)
@@ -224,6 +226,7 @@ class PagedKV:
         Called once a tiered group has dropped the pages outside its top-K: a pool keeps its
         allocation when slots are freed, so without this the device memory would not go down.
         """
+        self.unshare()  # the table is rewritten in place
         self._repack(self.table, headroom_slots)
 
     def _repack(self, table: torch.Tensor, spare: int) -> None:
@@ -259,6 +262,7 @@ class PagedKV:
         order: what gathering their slots gives, without the copy. One copy of the resident pages per ranking.
         """
         self.transfers.wait_promotions()  # the promoted pages must have landed before they are moved
+        self.unshare()  # the pools and the table are rewritten in place
         n, m = pages.shape
         width = m + headroom
         need = 1 + n * width
@@ -331,6 +335,7 @@ class PagedKV:
         next decode step and promotes its top-K (`HeadGroup.append`).
         """
         p, t = self.page_size, keys.shape[2]
+        self.unshare()  # resident pages leave the table
         start, end = self.length, self.length + t
         old_full, old_pages = self.full_pages, self.num_pages
         full_end, pages_end = end // p, math.ceil(end / p)
@@ -572,6 +577,7 @@ class PagedKV:
         device."""
         if rows.numel() == 0:
             return
+        self.unshare()  # evicted slots are overwritten
         self.transfers.wait_offloads()
         with host_work:  # `rows` and `pages` are host tensors (the tier move's plan)
             host_index = pages * self.rows + rows
@@ -585,6 +591,51 @@ class PagedKV:
         )
         self.counters["pages_promoted"] += rows.numel()
         self.counters["bytes_promoted"] += rows.numel() * self.page_bytes
+
+    # -- rollback (speculative decoding, `fc_hf/speculative.py`) -----------------------------------
+    def mark(self) -> tuple:
+        """What `restore` needs to put this store back as it is now, taken before a decode token while recording.
+
+        Cheap: tensors are kept by reference. What later tokens write into them is either where no mark looks (past
+        the mark's length: the page being filled, newly opened pages and their table columns, MinMax and host entries
+        of pages filled since, free slots) or goes through `unshare` first (a tier move rewrites resident slots, the
+        table and the free stack in place), and a grown tensor is a new one."""
+        self._marked = True
+        layout = None if self.row_layout is None else dict(self.row_layout)
+        return (self.length, self.k_pool, self.v_pool, self.free, self.n_free, self.table, self.meta_t, self.page_means,
+                self.host_k, self.host_v, self.host_pages, dict(self.counters), layout)
+
+    def restore(self, mark: tuple) -> None:
+        """Put back the state `mark` recorded: the tokens after it are gone, their pages' slots are back in the free
+        stack where they were, their MinMax entries are zero again (as entries of pages not yet full always are)."""
+        self.transfers.wait_promotions()  # a promotion issued since must not land in a pool read from now on
+        (self.length, k_pool, v_pool, self.free, self.n_free, self.table, self.meta_t, self.page_means, self.host_k,
+         self.host_v, self.host_pages, counters, layout) = mark
+        self._set_pools(k_pool, v_pool)
+        self.table[:, self.num_pages :] = 0  # pages opened since
+        self.meta_t[:, :, self.full_pages * self.subpages :] = 0  # pages filled since
+        if self.page_means is not None:
+            self.page_means[:, self.full_pages :] = 0
+        self.counters = dict(counters)
+        self.row_layout = None if layout is None else dict(layout)
+        self.table_changed()
+        self._write_slots = self._read_back = None
+
+    def drop_marks(self) -> None:
+        """No mark refers to this store's tensors any more: tier moves write in place again."""
+        self._marked = False
+
+    def unshare(self) -> None:
+        """Before rewriting the table, the free stack or resident slots in place: while a mark holds them, continue on
+        copies, so the mark keeps what it saw (a stable head's tier move inside a verified block; rare and small)."""
+        if not self._marked:
+            return
+        self.transfers.wait_promotions()
+        self.ledger.transient(self.device_bytes())  # the marked pools live beside the copies until the marks go
+        self._set_pools(self.k_pool.clone(), self.v_pool.clone())
+        self.table, self.free = self.table.clone(), self.free.clone()
+        self.table_changed()
+        self._marked = False
 
     # -- batch reshuffles (beam search) ----------------------------------------------------------
     def row_map(self, batch_index: torch.Tensor) -> torch.Tensor:

@@ -37,6 +37,7 @@ def move_tiers(store, old_pages: torch.Tensor, new_sel: torch.Tensor) -> int:
     # Rewrite the table: old entries out, new entries in (kept pages keep their slot, promoted pages
     # take an evicted page's slot, or a new one), then copy only the promoted pages host -> device.
     rows = torch.arange(store.rows, device=device)[:, None]
+    store.unshare()  # a mark (speculative decoding) keeps the table and slots as they were
     store.table[rows.expand_as(old_pages), old_pages] = 0
     slots = to_device(new_slots, device)
     p_slots = to_device(p_slots, device)

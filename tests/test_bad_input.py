@@ -129,15 +129,17 @@ def test_max_device_pages_refuses_before_writing(no_grad):
     assert ok.get_seq_length() == 40
 
 
-def test_assisted_decoding_refused(no_grad):
+def test_assisted_decoding_of_two_sequences_refused_clearly(no_grad):
+    """transformers' assisted loop is batch 1 only; FlexiCache says so first, before anything is written."""
     model = tiny_model("llama")
     assistant = tiny_model("llama", seed=1)
-    ids, mask = left_padded_batch(1, 20)
+    ids, mask = left_padded_batch(2, 20)
     cache = FlexiCache(model.config, FlexiCacheConfig(page_size=4, token_budget=16))
-    assert cache.is_croppable is False
-    with pytest.raises((FlexiCacheError, ValueError)):
+    assert cache.is_croppable
+    with pytest.raises(FlexiCacheError, match="one sequence at a time"):
         model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, assistant_model=assistant,
                        max_new_tokens=5, do_sample=False)
+    assert cache.get_seq_length() == 0
 
 
 def test_bad_streaming_and_dense_layer_indices():

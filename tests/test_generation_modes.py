@@ -2,8 +2,8 @@
 
 Greedy / beam search / `cache=` + sampling at a full budget are in test_core_equivalence.py; here:
 sampling with several return sequences and beam sampling, left padding at a LOW budget, stopping
-criteria, a 2k-token generation, both cache spellings, and the refused paths (assisted decoding,
-prompt lookup, static cache, torch.compile).
+criteria, a 2k-token generation, both cache spellings, assisted decoding and prompt lookup, and the refused paths
+(static cache, torch.compile).
 """
 
 import pytest
@@ -159,16 +159,20 @@ def test_both_cache_spellings_low_budget(spelling):
 
 
 @pytest.mark.parametrize("kw", [dict(assistant="model"), dict(prompt_lookup_num_tokens=3)], ids=["assistant", "prompt-lookup"])
-def test_assisted_decoding_refused(kw):
+def test_assisted_decoding_gives_greedy_tokens(kw):
+    """Assisted decoding and prompt lookup crop the cache after each verification: FlexiCache takes the rejected
+    tokens back exactly, so the tokens are plain greedy decoding's (tests/test_speculative.py goes further)."""
     model = tiny_model("llama")
     if kw.get("assistant"):
         kw = dict(assistant_model=tiny_model("llama", seed=1))
-    ids, mask = left_padded_batch(1, 20)
-    cache = FlexiCache(model.config, LOW)
-    with pytest.raises(ValueError, match="cache that can be cropped"):
-        _gen(model, ids, mask, cache, do_sample=False, **kw)
-    with pytest.raises(FlexiCacheError, match="cannot be cropped.*assisted"):
-        cache.crop(3)
+    ids, _ = left_padded_batch(1, 20)
+    ids = torch.cat([ids, ids[:, 4:12]], 1)  # a repeated span: prompt lookup has candidates
+    ref = _gen(model, ids, torch.ones_like(ids), FlexiCache(model.config, LOW, _mixed(model.config)), do_sample=False,
+               max_new_tokens=24)
+    cache = FlexiCache(model.config, LOW, _mixed(model.config))
+    assert cache.is_croppable
+    out = _gen(model, ids, torch.ones_like(ids), cache, do_sample=False, max_new_tokens=24, **kw)
+    assert torch.equal(out, ref)
 
 
 def test_static_cache_implementation_refused():
