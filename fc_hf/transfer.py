@@ -114,7 +114,8 @@ class CudaStreams:
         return self._on_side(lambda: host_dst.copy_(device_src, non_blocking=True), (device_src,))
 
     def promote(self, k_pool, v_pool, dst_slots, staged_k, staged_v) -> torch.cuda.Event:
-        """Copy pinned `staged_k [C, P, D]`, `staged_v [C, P, Dv]` into device slots `dst_slots [C]`; returns the event."""
+        """Copy pinned `staged_k [C, P, D]`, `staged_v [C, P, Dv]` into device slots `dst_slots [C]`; returns the
+        event."""
 
         def copy():
             k_pool.index_copy_(0, dst_slots, staged_k.to(self.device, non_blocking=True))

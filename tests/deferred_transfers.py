@@ -16,8 +16,8 @@ pending, or gathering host pages with the CPU before their offload has landed al
 (or as a page missing from a replaced pool) in the tests' outputs.
 
 It also checks what makes those copies asynchronous on CUDA (`HostSideError` otherwise): the host side
-of every copy (`offload`, `promote`, `upload`, `read_back`) is contiguous memory from this backend's `host_empty` (pinned
-on CUDA; pinning itself cannot be seen on a CPU), and a device source is contiguous.
+of every copy (`offload`, `promote`, `upload`, `read_back`) is contiguous memory from this backend's
+`host_empty` (pinned on CUDA; pinning itself cannot be seen on a CPU), and a device source is contiguous.
 
 Use `deferred_transfers()` (a context manager) to make every store created inside it use this
 backend; `FLEXICACHE_TEST_TRANSFERS=deferred` does so for a whole test run (see conftest.py).

@@ -31,8 +31,9 @@ def deps_only_env(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("deps-only")
     venv = tmp / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
-    site = subprocess.run([str(venv / "bin" / "python3"), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                          check=True, capture_output=True, text=True).stdout.strip()
+    where = "import sysconfig; print(sysconfig.get_paths()['purelib'])"
+    site = subprocess.run([str(venv / "bin" / "python3"), "-c", where], check=True, capture_output=True,
+                          text=True).stdout.strip()
     # A path line only: the .pth files in that folder (the editable install's among them) are not processed.
     Path(site, "project-deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
     drop = ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "TRITON_INTERPRET", "FLEXICACHE_TEST_TRANSFERS")

@@ -146,7 +146,7 @@ def test_resource_reader_finds_spills():
     _, args, constexprs, _ = decode._decode_plan(query, pool, pool, slots, page_idx, 1000, d**-0.5, None, 8, None,
                                                  torch.empty(n, g, d), 2)
     constexprs.update(UPCAST=True, PAGES_PER_BLOCK=4)
-    signature = {k: ("*" + _TYPES[v.dtype] if isinstance(v, torch.Tensor) else "fp32" if isinstance(v, float) else "i32")
+    signature = {k: "*" + _TYPES[v.dtype] if isinstance(v, torch.Tensor) else "fp32" if isinstance(v, float) else "i32"
                  for k, v in args.items()}
     signature.update({k: "constexpr" for k in constexprs})
     compiled = triton.compile(ASTSource(_jit(decode._sparse_decode_kernel), signature, constexprs), target=TARGET,
@@ -272,6 +272,7 @@ PER_STEP_ARGS = {
 }
 
 
+@needs_compiler  # under the interpreter the kernels are InterpretedFunctions, which keep no such list
 @pytest.mark.parametrize("kernel", list(PER_STEP_ARGS), ids=lambda k: _jit(k).__name__)
 def test_per_step_arguments_are_not_specialised(kernel):
     fn = _jit(kernel)

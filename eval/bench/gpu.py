@@ -568,7 +568,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             record["sanity"] = sanity(device)
         except Exception as e:  # keep going: the timing is still worth having (the exit status reports it)
-            record["sanity"] = {"ok": False, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc(limit=5)}
+            record["sanity"] = {"ok": False, "error": f"{type(e).__name__}: {e}",
+                                "traceback": traceback.format_exc(limit=5)}
         print(f"sanity: {record['sanity']}", flush=True)
         _write(out, record)
         try:
