@@ -6,7 +6,7 @@ PIP := $(PY) -m pip
 TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.flexicache-installed
 
-.PHONY: install demo test test-fast profile-smollm2 bench clean
+.PHONY: install demo test test-fast test-oldest profile-smollm2 bench clean
 
 install: $(STAMP)
 
@@ -27,6 +27,22 @@ test: install
 
 test-fast: install
 	$(VENV)/bin/pytest -q -m "not slow" --deselect tests/test_real_model.py
+
+# The core suite and the kernel checks on the GPU machine's transformers 5.17 and Triton 3.6, with the oldest torch
+# that installs here (2.13: the CPU wheel this machine's index holds; older torch on PyPI is a multi-GB CUDA build)
+# and numpy < 2.4 (Triton 3.6's interpreter fails on NumPy 2.4's stricter scalar conversion). A second venv, ~2 GB.
+OLDEST ?= .venv-oldest
+CORE_TESTS := tests/test_core_equivalence.py tests/test_core_selection.py tests/test_tiers.py \
+	tests/test_stream_ordering.py tests/test_async_copies.py tests/test_decode_ops.py tests/test_properties.py \
+	tests/test_cache_state.py tests/test_kernels.py tests/test_kernel_compile.py tests/test_gpu_sanity.py \
+	tests/test_gpu_script.py
+
+test-oldest:
+	python3 -m venv $(OLDEST)
+	$(OLDEST)/bin/pip install -q torch==2.13.0 triton==3.6.0 transformers==5.17.0 accelerate==1.15.0 "numpy<2.4" \
+		tqdm pytest hypothesis
+	$(OLDEST)/bin/pip install -q --no-deps -e .
+	$(OLDEST)/bin/pytest -q -m "not slow" $(CORE_TESTS)
 
 bench: install
 	$(VENV)/bin/flexicache bench
