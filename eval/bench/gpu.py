@@ -357,8 +357,10 @@ def time_case(model, config, method, budget, length, batch, profile, *, steps, w
             r["stats"] = {k: v for k, v in stats.items() if k not in ("promoted_fraction_per_rerank", "timings_s")}
         else:
             layers = [l for l in getattr(cache, "layers", []) if getattr(l, "keys", None) is not None]
-            nbytes = sum(l.keys.numel() * l.keys.element_size() * 2 for l in layers)
-            r["memory"] = {"device_kv_bytes": nbytes, "dense_kv_bytes": nbytes, "host_kv_bytes": 0}
+            nbytes = [l.keys.numel() * l.keys.element_size() * 2 for l in layers]
+            on_device = sum(n for n, l in zip(nbytes, layers) if l.keys.device.type == torch.device(device).type)
+            r["memory"] = {"device_kv_bytes": on_device, "dense_kv_bytes": sum(nbytes),
+                           "host_kv_bytes": sum(nbytes) - on_device}  # offload: the layers moved to the host
         r.update(_pinned_host_mb() if cuda else {})
         del cache
     _release(cuda)
