@@ -1,4 +1,4 @@
-"""`flexicache demo`: dense vs FlexiCache on the bundled SmolLM2 over a long King James prompt.
+"""`flexicache demo --continue`: dense vs FlexiCache continuing a long raw King James passage.
 
 Prints one table - decode tokens/s, device KV bytes, and at how many of dense's generated tokens
 FlexiCache, fed the same tokens (teacher forcing), predicts the same next token - and the two
@@ -12,54 +12,16 @@ the demo runs (its own calls use the cache keyword the installed transformers pr
 from __future__ import annotations
 
 import argparse
-import contextlib
-import time
-import warnings
 
 import torch
-import transformers
-from transformers import DynamicCache, StoppingCriteria, StoppingCriteriaList
+from transformers import DynamicCache, StoppingCriteriaList
 
-from .assets import DEFAULT_MODEL, load_model, text_tokens
-from .attention import register
-from .cache import FlexiCache
-from .compat import cache_kwargs
-from .config import FlexiCacheConfig
-from .errors import ProfileError
-from .profile import PROFILE_DIR, HeadProfile
-
-
-@contextlib.contextmanager
-def _quiet():
-    """No Python warnings, no transformers logging below errors, no progress bars; restored afterwards."""
-    logging = transformers.utils.logging
-    verbosity, bars = logging.get_verbosity(), logging.is_progress_bar_enabled()
-    logging.set_verbosity_error()
-    logging.disable_progress_bar()
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            yield
-    finally:
-        logging.set_verbosity(verbosity)
-        if bars:
-            logging.enable_progress_bar()
-
-
-class _StepClock(StoppingCriteria):
-    """Records when each new token is ready (the first one right after the prefill)."""
-
-    def __init__(self):
-        self.times: list[float] = []
-
-    def __call__(self, input_ids, scores, **kwargs):
-        self.times.append(time.perf_counter())
-        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
-
-    def decode_tokens_per_s(self) -> float:
-        if len(self.times) < 2:
-            return float("nan")
-        return (len(self.times) - 1) / (self.times[-1] - self.times[0])
+from ..assets import DEFAULT_MODEL, load_model, text_tokens
+from ..attention import register
+from ..cache import FlexiCache
+from ..compat import cache_kwargs
+from ..config import FlexiCacheConfig
+from .common import StepClock, quiet, shipped_profile, teacher_forced_agreement
 
 
 def _cache_device_bytes(cache) -> int:
@@ -72,7 +34,7 @@ def _run(model, ids, cache, new_tokens: int, keep_logits: bool = False):
     """Greedy `new_tokens`: `(tokens, decode tok/s, device KV bytes, raw next-token logits [new_tokens, V] or None)`.
 
     Logits only with `keep_logits` (dense's run: its margin where the texts part); the other run keeps none."""
-    clock = _StepClock()
+    clock = StepClock()
     with torch.no_grad():
         out = model.generate(
             input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
@@ -95,24 +57,8 @@ def _divergence_line(first_diff: int, dense_logits: torch.Tensor, agree: int, n:
             f"picks dense's token at {agree}/{n} steps).")
 
 
-def _teacher_forced_agreement(model, ids, target, cache) -> int:
-    """Feed dense's own continuation token by token; count steps where FlexiCache predicts the same next token.
-
-    Free-running outputs diverge for good at the first near-tie, so this is the fair per-token measure.
-    """
-    preds = []
-    kwargs = cache_kwargs(model, cache)
-    with torch.no_grad():
-        out = model(input_ids=ids, use_cache=True, **kwargs)
-        for t in range(len(target)):
-            preds.append(int(out.logits[0, -1].argmax()))
-            if t + 1 < len(target):
-                out = model(input_ids=target[None, t : t + 1], use_cache=True, **kwargs)
-    return sum(int(p == int(y)) for p, y in zip(preds, target))
-
-
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="flexicache demo", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="flexicache demo --continue", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=DEFAULT_MODEL, help="bundled model name or local folder")
     p.add_argument("--prompt-tokens", type=int, default=6000)
     p.add_argument("--new-tokens", type=int, default=256)
@@ -120,21 +66,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--profile", default=None, help="head profile JSON (default: the bundled one for the model)")
     p.add_argument("--verbose", action="store_true", help="also print FlexiCache's tier and re-rank statistics")
     args = p.parse_args(argv)
-    with _quiet():
+    with quiet():
         return _demo(args)
 
 
 def _demo(args) -> int:
     register()
     model, tokenizer = load_model(args.model, attn_implementation="flexicache")
-    profile_path = args.profile or PROFILE_DIR / f"{args.model}.json"
-    try:
-        profile = HeadProfile.load(profile_path, model.config)
-        shown = args.profile or f"profiles/{args.model}.json"  # not this machine's path
-        profile_note = f"profile {shown} ({len(profile.unstable)} unstable KV heads)"
-    except ProfileError as e:  # the demo still runs, as Quest, says why and labels its row so
-        profile = None
-        profile_note = f"no usable profile ({e}); every head unstable (Quest)"
+    profile, profile_note = shipped_profile(args.model, model.config, args.profile)
     ids = torch.tensor([text_tokens(tokenizer, args.prompt_tokens, offset=1_000_000)])
 
     dense_cache = DynamicCache(config=model.config)
@@ -144,7 +83,7 @@ def _demo(args) -> int:
     first_diff = next((i for i, (a, b) in enumerate(zip(dense_out.tolist(), fc_out.tolist())) if a != b), len(fc_out))
     report, stats = cache.memory_report(), cache.stats()
     forced = FlexiCache(model.config, FlexiCacheConfig(token_budget=args.budget), profile)
-    agree = _teacher_forced_agreement(model, ids, dense_out, forced)
+    agree = teacher_forced_agreement(model, ids, dense_out, forced)
 
     n = len(dense_out)
     rows = [

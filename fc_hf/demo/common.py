@@ -1,0 +1,75 @@
+"""What both demos share: quiet output, a clock of generated tokens, teacher-forced agreement, the shipped profile."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import warnings
+
+import torch
+import transformers
+from transformers import StoppingCriteria
+
+from ..compat import cache_kwargs
+from ..errors import ProfileError
+from ..profile import PROFILE_DIR, HeadProfile
+
+
+@contextlib.contextmanager
+def quiet():
+    """No Python warnings, no transformers logging below errors, no progress bars; restored afterwards."""
+    logging = transformers.utils.logging
+    verbosity, bars = logging.get_verbosity(), logging.is_progress_bar_enabled()
+    logging.set_verbosity_error()
+    logging.disable_progress_bar()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        logging.set_verbosity(verbosity)
+        if bars:
+            logging.enable_progress_bar()
+
+
+class StepClock(StoppingCriteria):
+    """Records when each new token is ready (the first one right after the prefill); never stops anything."""
+
+    def __init__(self):
+        self.times: list[float] = []
+
+    def __call__(self, input_ids, scores, **kwargs):
+        self.times.append(time.perf_counter())
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+    def decode_tokens_per_s(self) -> float:
+        if len(self.times) < 2:
+            return float("nan")
+        return (len(self.times) - 1) / (self.times[-1] - self.times[0])
+
+
+def teacher_forced_agreement(model, ids, target, cache) -> int:
+    """Feed `ids`, then dense's own continuation `target` token by token; count the steps where the model with
+    `cache` predicts dense's next token. Free-running outputs part for good at the first near tie, so this is the
+    fair per-token measure."""
+    preds = []
+    kwargs = cache_kwargs(model, cache)
+    with torch.no_grad():
+        out = model(input_ids=ids, use_cache=True, **kwargs)
+        for t in range(len(target)):
+            preds.append(int(out.logits[0, -1].argmax()))
+            if t + 1 < len(target):
+                out = model(input_ids=target[None, t : t + 1], use_cache=True, **kwargs)
+    return sum(int(p == int(y)) for p, y in zip(preds, target))
+
+
+def shipped_profile(model_name: str, config, path=None) -> tuple[HeadProfile | None, str]:
+    """`(profile, note)`: the given or shipped head profile; None (every head unstable: Quest) with the reason when
+    it cannot be used, so the demo still runs and says so."""
+    profile_path = path or PROFILE_DIR / f"{model_name}.json"
+    try:
+        profile = HeadProfile.load(profile_path, config)
+    except ProfileError as e:
+        return None, f"no usable profile ({e}); every head unstable (Quest)"
+    shown = path or f"profiles/{model_name}.json"  # not this machine's path
+    return profile, f"profile {shown} ({len(profile.unstable)} unstable KV heads)"
