@@ -117,12 +117,13 @@ class FlexiCacheLayer(CacheLayerMixin):
             self.lazy_initialization(key_states, value_states)
         else:
             self._check_same_kind(key_states)
+        prompt = self.prompt_tokens(t)
         auto = self.owner.auto
-        if auto is not None and self.length > 0 and self.regrouped_after_step is None and self.steps == auto.boundary:
+        if (auto is not None and prompt < t and self.length > 0 and self.regrouped_after_step is None
+                and self.steps == auto.boundary):  # before a decode step: a prefill chunk classifies nothing
             found = auto.decide(self.steps)  # the first layer classifies; None: postponed
             if found is not None:
                 self.regroup(auto.unstable_in(self.layer_idx))
-        prompt = self.prompt_tokens(t)
         if prompt == t:
             return self._take_prompt(key_states, value_states)
         b, h = key_states.shape[:2]
@@ -166,14 +167,15 @@ class FlexiCacheLayer(CacheLayerMixin):
         self._append(key_states, value_states)
         self.length += t
         if past > 0 and t > 1:
-            return key_all, value_all
+            key_states, value_states = key_all, value_all
         auto = self.owner.auto
-        if auto is not None and auto.observing and t > 1:
-            # Zero warm-up: the attention function finds this layer on the keys and traces the prompt's
-            # last queries (`observe_prefill`); a view, so the model's own tensor is left untouched.
+        if auto is not None and auto.observing and not auto.done and t > 1:
+            # Zero warm-up: the attention function finds this layer on the keys and traces the prompt's last
+            # queries (`observe_prefill`; chunk after chunk, the last one's stand); a view, so the tensor it marks is
+            # not the model's own.
             key_states = key_states.view_as(key_states)
             key_states.fc_observe = self
-        return key_states, value_states  # prefill: dense attention over exactly these
+        return key_states, value_states  # dense attention over exactly these
 
     def _decode_token(self, key: torch.Tensor, value: torch.Tensor) -> None:
         """Append one decode step's token `[B, H, 1, D]` (marked first while recording, so `crop` can take it back)."""

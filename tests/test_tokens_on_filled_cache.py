@@ -368,3 +368,18 @@ def test_read_back_into_heads_that_are_not_a_run():
     # One layer's read-back is the transient: K and V of 90 tokens of one layer, no per-group copies on top.
     one_layer = 2 * 2 * 4 * 90 * 16 * 4
     assert cache.ledger.peak <= cache.ledger.current + one_layer
+
+
+def test_zero_warmup_auto_profile_observes_the_last_chunk():
+    """profile="auto" with warmup_steps=0 classifies from the prompt's last 32 queries: with a chunked prefill the
+    last chunk's (here 40 tokens), so it finds the set the one-prefill cache finds."""
+    model = tiny_model("llama", layers=3, heads=8, kv_heads=4)
+    ids, mask = _batch(1, 160)
+    cfg = FlexiCacheConfig(page_size=4, token_budget=16, rerank_interval=2, warmup_steps=0)
+    found = []
+    for kw in ({}, {"prefill_chunk_size": 40}):
+        cache = FlexiCache(model.config, cfg, profile="auto")
+        _generate(model, ids, mask, cache, new=3, **kw)
+        assert cache.stats()["auto_profile"]["observed_prefill"]
+        found.append(cache.profile_found().unstable)
+    assert found[0] == found[1]
