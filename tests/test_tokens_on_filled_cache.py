@@ -310,10 +310,14 @@ def test_peak_with_chunks_is_the_design_bound():
     stable_rows = 2 * 12  # sequences x stable heads: the sink page and no partial page (400 = 100 full pages)
     spare = 2 * 16 * 4 * 2  # a few spare slots per store stay allocated
     assert report["device_kv_bytes"] <= unstable * 1.1 + stable_rows * LOW.page_size * per_token // 16 + spare * 64
-    # The peak: the pools then plus the last chunk's read-back of one layer (350 earlier tokens and 50 new ones).
+    # The peak: the pools then plus the last chunk's read-back of one layer (350 earlier tokens and 50 new ones); where
+    # the host tier is copied to the device first (CUDA, or the deferred-transfer fake), plus that copy of the stable
+    # heads' pages of this layer and of the next one (prefetched).
     one_layer_read = per_token // 8 * 400
-    assert one_layer_read <= report["peak_device_kv_bytes"] <= report["device_kv_bytes"] + one_layer_read
-    assert report["peak_device_kv_bytes"] < 0.45 * dense
+    staged = 2 * one_layer_read * 3 // 4 if cache.flexi_layers[0].groups[0].store.transfers.streams is not None else 0
+    assert one_layer_read <= report["peak_device_kv_bytes"] <= report["device_kv_bytes"] + one_layer_read + staged
+    # u + one layer (+ on CUDA the stable pages of this layer and the next: (1 - u) / layers each): 0.375 (0.56), spares
+    assert report["peak_device_kv_bytes"] < (0.6 if staged else 0.45) * dense
 
 
 def test_a_new_turn_with_another_batch_size_fails_clearly():
@@ -365,9 +369,11 @@ def test_read_back_into_heads_that_are_not_a_run():
     _feed(cache, keys, values, [33, 20, 37])  # `_feed` checks every returned K/V against what was fed
     perm, _, _ = cache.flexi_layers[0]._head_order()
     assert perm is not None  # the groups' heads are not runs: the indexed path ran
-    # One layer's read-back is the transient: K and V of 90 tokens of one layer, no per-group copies on top.
+    # One layer's read-back is the transient: K and V of 90 tokens of one layer, no per-group copies on top (where the
+    # host tier is first copied to the device, CUDA or the deferred fake: plus that copy for this layer and the next).
     one_layer = 2 * 2 * 4 * 90 * 16 * 4
-    assert cache.ledger.peak <= cache.ledger.current + one_layer
+    staged = 2 * one_layer if cache.flexi_layers[0].groups[0].store.transfers.streams is not None else 0
+    assert cache.ledger.peak <= cache.ledger.current + one_layer + staged
 
 
 def test_zero_warmup_auto_profile_observes_the_last_chunk():

@@ -172,14 +172,12 @@ def real_worker(spec: dict) -> None:
     greedy tokens; the counted peak, the device bytes after, the bytes moved per decode step (JSON lines)."""
     import json
 
-    from fc_hf.assets import text_tokens
-
-    from ..loading import load_model
-    from ..methods import prepare_model
+    from fc_hf import register
+    from fc_hf.assets import load_model, text_tokens
 
     torch.set_num_threads(spec.get("threads") or torch.get_num_threads())
-    model, tokenizer, _ = load_model(spec["model"], spec["dtype"])
-    prepare_model(model, "flexicache")
+    register()
+    model, tokenizer = load_model(spec["model"], dtype=getattr(torch, spec["dtype"]), attn_implementation="flexicache")
     profile, label = _profile({"shape": "qwen2.5-0.5b" if "qwen" in spec["model"] else "smollm2"}, model.config)
     for length in spec["lengths"]:
         ids = torch.tensor([text_tokens(tokenizer, length, 0)])
