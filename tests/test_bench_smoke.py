@@ -305,8 +305,9 @@ def test_analytic_peak_fraction():
 
     # unchunked: unstable heads + the forward's one layer of the prompt; decode: + the stable heads' top-K and headroom
     assert capacity.analytic_peak_fraction(0.25, 30, 32768) == pytest.approx(0.25 + 1 / 30)
-    # chunked: + the one-layer read-back, against one chunk of the forward (CUDA: + the next layer's stable pages)
+    # chunked: + the one-layer read-back, against one chunk of the forward (CUDA: + the device copies of this layer's
+    # stable pages and the next layer's)
     assert capacity.analytic_peak_fraction(0.25, 30, 32768, chunk=2048) == pytest.approx(0.25 + 2048 / 32768 / 30 + 1 / 30)
     cuda = capacity.analytic_peak_fraction(0.25, 30, 32768, chunk=2048, cuda=True)
-    assert cuda == pytest.approx(0.25 + 2048 / 32768 / 30 + 1.75 / 30)
+    assert cuda == pytest.approx(0.25 + 2048 / 32768 / 30 + 2.5 / 30)
     assert capacity.analytic_peak_fraction(0.25, 30, 2048) == pytest.approx(0.25 + 0.75 * (1024 + 48) / 2048)

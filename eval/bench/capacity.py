@@ -51,11 +51,11 @@ def analytic_peak_fraction(u: float, layers: int, length: int, budget: int = 102
     """FlexiCache's device KV at its peak as a share of dense's at `length`, from the design.
 
     Prefill: unchunked, the cache holds the unstable heads' pages (`u`) and the forward one layer of the prompt
-    (`1 / layers`); chunked, the same plus the one-layer read-back (`1 / layers`; on CUDA the next layer's stable
-    pages prefetched, `(1 - u) / layers`) against one chunk of the forward. Decode: `u` plus each stable head's
+    (`1 / layers`); chunked, the same plus the one-layer read-back (`1 / layers`; on CUDA also the device copy of this
+    layer's stable pages and the next layer's prefetched, `2 (1 - u) / layers`) against one chunk of the forward. Decode: `u` plus each stable head's
     top-K and the pages opened before its next re-rank, `(1 - u) (B + (ceil(R / P) + 2) P) / L`."""
     forward = (chunk if chunk else length) / length / layers
-    prefill = u + forward + ((1 + ((1 - u) if cuda else 0)) / layers if chunk else 0)
+    prefill = u + forward + ((1 + (2 * (1 - u) if cuda else 0)) / layers if chunk else 0)
     decode = u + (1 - u) * min(1.0, (budget + (math.ceil(rerank / page_size) + 2) * page_size) / length)
     return max(prefill, decode)
 
