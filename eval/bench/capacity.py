@@ -389,7 +389,7 @@ def prefill_worker(spec: dict) -> None:
     from transformers import DynamicCache
 
     torch.set_num_threads(spec.get("threads") or torch.get_num_threads())
-    config = model_config(spec["shape"], max_positions=spec["length"] + 64)
+    config = model_config(spec["shape"], max_positions=spec["length"] + 64, layers=spec.get("layers"))
     model = build_model(config)
     model.set_attn_implementation("flexicache")
     profile, _ = bench_profile(config)
@@ -443,7 +443,7 @@ def suite_chunked_prefill(args, out: Path) -> None:
     for length in parse_sizes(args.chunk_lengths):
         spec = {"shape": args.capacity_shapes.split(",")[0], "length": length, "chunk": args.capacity_chunk,
                 "budget": args.capacity_budget, "repeats": args.chunk_repeats, "threads": args.threads,
-                "decode_steps": args.chunk_decode_steps}
+                "decode_steps": args.chunk_decode_steps, "layers": args.chunk_layers or None}
         log(f"chunked-prefill: {length} tokens, chunk {args.capacity_chunk}, {args.chunk_repeats} alternating repeats")
         found, rc = run_worker("prefill_worker", spec, args.timeout)
         rows.extend(found)
@@ -459,5 +459,7 @@ def suite_chunked_prefill(args, out: Path) -> None:
                      f"{med['flexicache/one']:.1f} | {med[f'flexicache/{chunk}']:.1f} | "
                      f"{med[f'flexicache/{chunk}'] / med[f'dense/{chunk}']:.3f} | "
                      f"{med['flexicache/one'] / med['dense/one']:.3f} | {_decode_cell(row)} |")
-    (out / "chunked_prefill.md").write_text("Medians of alternating runs in one worker.\n\n" + "\n".join(lines) + "\n")
+    layers = f", {args.chunk_layers} of the shape's layers (every layer costs the same)" if args.chunk_layers else ""
+    (out / "chunked_prefill.md").write_text(f"Medians of alternating runs in one worker{layers}.\n\n" + "\n".join(lines)
+                                            + "\n")
     log(f"chunked-prefill: wrote {out / 'chunked_prefill.md'}")

@@ -138,6 +138,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--capacity-dtype", default="bfloat16", help="capacity suite: K/V dtype (the ratios do not depend on it)")
     p.add_argument("--chunk-lengths", default="16k,32k", help="chunked-prefill suite: prompt lengths")
     p.add_argument("--chunk-repeats", type=int, default=2, help="chunked-prefill suite: alternating repeats per case")
+    p.add_argument("--chunk-layers", type=int, default=0,
+                   help="chunked-prefill suite: decoder layers of the shape (0: all; the ratio does not depend on it)")
     p.add_argument("--chunk-decode-steps", type=int, default=32,
                    help="chunked-prefill suite: decode steps timed after each prefill")
     p.add_argument("--threads", type=int, default=0, help="torch threads in the workers (0: torch's default)")
