@@ -1,11 +1,12 @@
 """`FlexiCacheLayer`: one full-attention layer's cache, made of head groups.
 
-Prefill (more than one new token on an empty layer) returns the dense K/V for the model's own
-dense attention. A decode step (one new token) appends it to the pages and returns a placeholder
-that carries this layer; FlexiCache's attention function (see `attention.py`) finds it there and
-runs score -> select -> sparse attention. Any other attention function touching the placeholder
-raises, so a model not loaded with `attn_implementation="flexicache"` fails loudly instead of
-attending over a stand-in.
+Prefill (more than one new token: a prompt, a prefill chunk, a new turn) returns dense K/V for the
+model's own dense attention. A decode step (one new token) appends it to the pages and returns a
+placeholder that carries this layer; FlexiCache's attention function (see `attention.py`) finds it
+there and runs score -> select -> sparse attention. Any other attention function touching the
+placeholder raises, so a model not loaded with `attn_implementation="flexicache"` fails loudly
+instead of attending over a stand-in. While recording past states for speculative decoding, a
+forward of several tokens after the prompt is several decode steps (`fc_hf/speculative.py`).
 """
 
 from __future__ import annotations

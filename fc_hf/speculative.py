@@ -71,7 +71,7 @@ def check_auto_profile(auto) -> None:
     if auto is not None and not auto.done:
         raise FlexiCacheError(
             'A FlexiCache with profile="auto" classifies its heads from the decode steps of its warm-up, which '
-            "speculative decoding would verify several per forward and partly take back. Decode plainly until "
-            "cache.profile_found() is not None, or build the cache with a profile (e.g. the one found: "
-            "FlexiCache(config, cache_config, profile=found))."
+            "speculative decoding would verify several per forward and partly take back. Build the cache with a "
+            "profile instead: a bundled one, or the one an earlier profile=\"auto\" run found "
+            "(FlexiCache(config, cache_config, profile=earlier_cache.profile_found()))."
         )

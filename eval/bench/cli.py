@@ -31,6 +31,10 @@ Suites (run any subset; `all` runs every one):
   decode 64 tokens with; device bytes over the chunks and steps; bytes moved per step, see `capacity.py`.
 - `chunked-prefill`: a real prefill's time, DynamicCache and FlexiCache, whole and chunked, alternating in one worker
   (what reading stable pages back per chunk costs).
+- `speculative`: decode tokens/s of prompt-lookup decoding against plain decoding, dense and FlexiCache, on L-Eval
+  answers by a bundled model (SmolLM2, 8k), the cases alternating per prompt; `speculative-check`: that prompt lookup
+  and assisted decoding give plain greedy decoding's tokens (SmolLM2 and Qwen2.5-0.5B, 20 prompts), see
+  `speculative.py`.
 - `report`: plots (PNG) and `benchmarks.md` from the JSON files in `--out`.
 
 Every group of timed cases runs in its own subprocess (one model build, then the cases in turn), so
@@ -51,12 +55,12 @@ import json
 import sys
 from pathlib import Path
 
-from . import capacity, decode, memory, ops, paired, report
+from . import capacity, decode, memory, ops, paired, report, speculative
 
 __all__ = ["main", "SUITES"]
 
 SUITES = ("decode", "prefill", "batch", "rerank", "memory", "promotion", "ops", "paired", "capacity", "chunked-prefill",
-          "report")
+          "speculative", "speculative-check", "report")
 METHODS = decode.BENCH_METHODS  # dense, floor, quest, flexicache
 SUITE_RUNNERS = {
     "decode": decode.suite_decode,
@@ -69,6 +73,8 @@ SUITE_RUNNERS = {
     "paired": paired.suite_paired,
     "capacity": capacity.suite_capacity,
     "chunked-prefill": capacity.suite_chunked_prefill,
+    "speculative": speculative.suite_speculative,
+    "speculative-check": speculative.suite_check,
 }
 
 
@@ -142,6 +148,27 @@ def _parser() -> argparse.ArgumentParser:
                    help="chunked-prefill suite: decoder layers of the shape (0: all; the ratio does not depend on it)")
     p.add_argument("--chunk-decode-steps", type=int, default=32,
                    help="chunked-prefill suite: decode steps timed after each prefill")
+    p.add_argument("--spec-model", default="smollm2-135m-instruct", help="speculative suite: bundled model")
+    p.add_argument("--spec-length", default="8k", help="speculative suite: prompt + new tokens at most")
+    p.add_argument("--spec-prompts", type=int, default=8, help="speculative suite: L-Eval questions")
+    p.add_argument("--spec-new", type=int, default=128, help="speculative suite: new tokens at most (greedy, EOS stops)")
+    p.add_argument("--spec-lookup", default="3,10",
+                   help="speculative suites: prompt_lookup_num_tokens, a comma list (the check uses the first)")
+    p.add_argument("--spec-budget", type=int, default=1024, help="speculative suite: FlexiCache token budget")
+    p.add_argument("--spec-data", default="../shared/data/leval/open-ended", help="speculative suites: L-Eval files")
+    p.add_argument("--spec-tasks", default="gov_report_summ,multidoc_qa,news_summ,paper_assistant,patent_summ,"
+                   "tv_show_summ,meeting_summ", help="speculative suites: L-Eval tasks, taken in turn")
+    p.add_argument("--spec-shortest", type=float, default=0.75,
+                   help="speculative suite: prompts shorter than this share of --spec-length are skipped")
+    p.add_argument("--check-models", default="smollm2-135m-instruct,qwen2.5-coder-0.5b-instruct",
+                   help="speculative-check suite: bundled models")
+    p.add_argument("--check-assistant", default="smollm2-135m-instruct",
+                   help="speculative-check suite: assistant model (its own dense twin for that model itself; another "
+                        "tokenizer goes through transformers' universal assisted decoding)")
+    p.add_argument("--check-prompts", type=int, default=20, help="speculative-check suite: prompts per model")
+    p.add_argument("--check-length", default="2k", help="speculative-check suite: prompt + new tokens at most")
+    p.add_argument("--check-new", type=int, default=48, help="speculative-check suite: new tokens at most")
+    p.add_argument("--check-budget", type=int, default=1024, help="speculative-check suite: FlexiCache token budget")
     p.add_argument("--threads", type=int, default=0, help="torch threads in the workers (0: torch's default)")
     p.add_argument("--timeout", type=int, default=1800, help="seconds allowed per subprocess group")
     return p
@@ -153,6 +180,10 @@ def main(argv: list[str] | None = None) -> int:
         return decode.worker(json.loads(argv[1]))
     if argv and argv[0] == "_ops_worker":
         return ops.worker(json.loads(argv[1]))
+    if argv and argv[0] in ("speculative_worker", "speculative_check_worker"):
+        worker = speculative.speed_worker if argv[0] == "speculative_worker" else speculative.check_worker
+        worker(json.loads(argv[1]))
+        return 0
     if argv and argv[0] in ("capacity_worker", "prefill_worker", "real_worker"):
         getattr(capacity, argv[0])(json.loads(argv[1]))
         return 0
@@ -169,7 +200,8 @@ def main(argv: list[str] | None = None) -> int:
                      ops_shapes="tiny", ops_budget=64, ops_prompt=136, ops_steps=17, ops_triton_budget=64,
                      ops_triton_prompt=136, capacity_shapes="tiny", capacity_cap="512", capacity_lengths="512,1024",
                      capacity_batches="1,2", capacity_chunk=128, capacity_budget=64, chunk_lengths="512", chunk_repeats=1,
-                     chunk_decode_steps=4)
+                     chunk_decode_steps=4, spec_length="320", spec_prompts=2, spec_new=12, spec_lookup="4", spec_budget=64,
+                     check_prompts=2, check_length="320", check_new=12, check_budget=64)
         for key, value in smoke.items():
             if getattr(args, key) == parser.get_default(key):
                 setattr(args, key, value)
