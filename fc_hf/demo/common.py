@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import time
 import warnings
@@ -10,6 +11,8 @@ import torch
 import transformers
 from transformers import StoppingCriteria
 
+from ..assets import DEFAULT_MODEL, load_model
+from ..attention import register
 from ..compat import cache_kwargs
 from ..errors import ProfileError
 from ..profile import PROFILE_DIR, HeadProfile
@@ -73,3 +76,20 @@ def shipped_profile(model_name: str, config, path=None) -> tuple[HeadProfile | N
         return None, f"no usable profile ({e}); every head unstable (Quest)"
     shown = path or f"profiles/{model_name}.json"  # not this machine's path
     return profile, f"profile {shown} ({len(profile.unstable)} unstable KV heads)"
+
+
+def demo_parser(prog: str, doc: str) -> argparse.ArgumentParser:
+    """The options both demos take: the model, the budget, the profile."""
+    p = argparse.ArgumentParser(prog=prog, description=doc.split("\n\n")[0])
+    p.add_argument("--model", default=DEFAULT_MODEL, help="bundled model name or local folder")
+    p.add_argument("--budget", type=int, default=1024)
+    p.add_argument("--profile", default=None, help="head profile JSON (default: the bundled one for the model)")
+    return p
+
+
+def load_demo_model(args):
+    """`(model, tokenizer, profile, note)`: the model with FlexiCache's attention, and its profile."""
+    register()
+    model, tokenizer = load_model(args.model, attn_implementation="flexicache")
+    profile, note = shipped_profile(args.model, model.config, args.profile)
+    return model, tokenizer, profile, note

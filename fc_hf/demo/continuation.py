@@ -11,17 +11,15 @@ the demo runs (its own calls use the cache keyword the installed transformers pr
 
 from __future__ import annotations
 
-import argparse
 
 import torch
 from transformers import DynamicCache, StoppingCriteriaList
 
-from ..assets import DEFAULT_MODEL, load_model, text_tokens
-from ..attention import register
+from ..assets import text_tokens
 from ..cache import FlexiCache
 from ..compat import cache_kwargs
 from ..config import FlexiCacheConfig
-from .common import StepClock, quiet, shipped_profile, teacher_forced_agreement
+from .common import StepClock, demo_parser, load_demo_model, quiet, teacher_forced_agreement
 
 
 def _cache_device_bytes(cache) -> int:
@@ -58,12 +56,9 @@ def _divergence_line(first_diff: int, dense_logits: torch.Tensor, agree: int, n:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="flexicache demo --continue", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default=DEFAULT_MODEL, help="bundled model name or local folder")
+    p = demo_parser("flexicache demo --continue", __doc__)
     p.add_argument("--prompt-tokens", type=int, default=6000)
     p.add_argument("--new-tokens", type=int, default=256)
-    p.add_argument("--budget", type=int, default=1024)
-    p.add_argument("--profile", default=None, help="head profile JSON (default: the bundled one for the model)")
     p.add_argument("--verbose", action="store_true", help="also print FlexiCache's tier and re-rank statistics")
     args = p.parse_args(argv)
     with quiet():
@@ -71,9 +66,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _demo(args) -> int:
-    register()
-    model, tokenizer = load_model(args.model, attn_implementation="flexicache")
-    profile, profile_note = shipped_profile(args.model, model.config, args.profile)
+    model, tokenizer, profile, profile_note = load_demo_model(args)
     ids = torch.tensor([text_tokens(tokenizer, args.prompt_tokens, offset=1_000_000)])
 
     dense_cache = DynamicCache(config=model.config)

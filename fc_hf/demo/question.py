@@ -12,19 +12,16 @@ at how many of dense's answer tokens it predicts dense's next token when fed den
 
 from __future__ import annotations
 
-import argparse
 import copy
 
 import torch
 from transformers import DynamicCache, StoppingCriteriaList
 
-from ..assets import DEFAULT_MODEL, load_model
 from ..assets.text import long_prompt
-from ..attention import register
 from ..cache import FlexiCache
 from ..compat import cache_kwargs
 from ..config import FlexiCacheConfig
-from .common import StepClock, quiet, shipped_profile, teacher_forced_agreement
+from .common import StepClock, demo_parser, load_demo_model, quiet, teacher_forced_agreement
 
 NEEDLE = "The special magic number for the silver lighthouse is {number}."
 QUESTION = "What is the special magic number for the silver lighthouse mentioned in the text above?"
@@ -67,12 +64,9 @@ def _answer(model, ids, cache, new_tokens: int, **generate_kw) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="flexicache demo", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default=DEFAULT_MODEL, help="bundled model name or local folder")
+    p = demo_parser("flexicache demo", __doc__)
     p.add_argument("--document-tokens", type=int, default=7168, help="document length (SmolLM2 holds 8192 positions)")
     p.add_argument("--new-tokens", type=int, default=24, help="most tokens of an answer")
-    p.add_argument("--budget", type=int, default=1024)
-    p.add_argument("--profile", default=None, help="head profile JSON (default: the bundled one for the model)")
     p.add_argument("--chunk", type=int, default=CHUNK, help="prefill_chunk_size of the chunked row")
     args = p.parse_args(argv)
     with quiet():
@@ -80,9 +74,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _demo(args) -> int:
-    register()
-    model, tokenizer = load_model(args.model, attn_implementation="flexicache")
-    profile, profile_note = shipped_profile(args.model, model.config, args.profile)
+    model, tokenizer, profile, profile_note = load_demo_model(args)
     ids, prefix = build_prompt(tokenizer, args.document_tokens)
     cfg = FlexiCacheConfig(token_budget=args.budget)
     name = "FlexiCache" if profile is not None else "Quest (no profile)"
@@ -97,10 +89,9 @@ def _demo(args) -> int:
     rows.append((f"{name} {args.budget}, document copied", copied, agree))
     chunked = _answer(model, ids, FlexiCache(model.config, cfg, profile), args.new_tokens, prefill_chunk_size=args.chunk)
     rows.append((f"{name} {args.budget}, chunked prefill", chunked, None))
-    if shared.is_croppable:
-        # Assisted decoding feeds the whole prompt in its first forward: it starts from an empty cache.
-        lookup = _answer(model, ids, FlexiCache(model.config, cfg, profile), args.new_tokens, prompt_lookup_num_tokens=10)
-        rows.append((f"{name} {args.budget}, prompt lookup", lookup, None))
+    # Assisted decoding feeds the whole prompt in its first forward: it starts from an empty cache.
+    lookup = _answer(model, ids, FlexiCache(model.config, cfg, profile), args.new_tokens, prompt_lookup_num_tokens=10)
+    rows.append((f"{name} {args.budget}, prompt lookup", lookup, None))
 
     n = len(dense["tokens"])
     table = [("method", "answer", "correct", "decode tok/s", "device KV MB: peak / after", "dense's tokens (forced)")]
@@ -119,8 +110,6 @@ def _demo(args) -> int:
           f"{len(same)} of {len(rows) - 2} give the copied row's answer token for token"
           + ("." if len(same) == len(rows) - 2 else " (the others differ by the prefill's rounding over other chunk "
              "shapes, which can flip a near tie)."))
-    if not shared.is_croppable:
-        print("Prompt lookup needs a cache that can be cropped; this FlexiCache cannot yet.")
     print("Device KV: the K/V a cache holds on the accelerator (here CPU memory), its peak counted by the cache itself "
           "(FlexiCache: page pools plus a chunk's one-layer read-back); metadata not included.")
     return 0
