@@ -68,16 +68,17 @@ def _prompt(tokenizer, length: int, offset: int) -> tuple[list[int], list[list[i
 
 
 def run_chunked(model_name: str, lengths, prompts: int, chunk: int, budget: int, new: int, out: Path,
-                dtype: str = "float32", profile=None) -> list[dict]:
+                dtype: str = "float32", profile=None, questions: int = 2, first_prompt: int = 0) -> list[dict]:
     model, tokenizer, _ = load_model(model_name, dtype)
     prepare_model(model, "flexicache")
     prof = method_profile("flexicache", model.config, HeadProfile.load(profile or _shipped(model_name), model.config))
     rows = []
     out.mkdir(parents=True, exist_ok=True)
     for length in lengths:
-        for i in range(prompts):
-            doc, questions = _prompt(tokenizer, length, offset=50_000 * (i + 1))
-            ids = torch.tensor([doc + questions[0]])
+        for i in range(first_prompt, first_prompt + prompts):
+            doc, asked = _prompt(tokenizer, length, offset=50_000 * (i + 1))
+            asked = asked[:questions]
+            ids = torch.tensor([doc + asked[0]])
             t0 = time.perf_counter()
             with torch.inference_mode():
                 flexi = lambda: make_cache("flexicache", model, budget, prof)  # noqa: E731
@@ -90,11 +91,11 @@ def run_chunked(model_name: str, lengths, prompts: int, chunk: int, budget: int,
                 shared = flexi()
                 model(input_ids=torch.tensor([doc]), **cache_kwargs(model, shared))
                 prefix = []
-                for q in questions:
+                for q in asked:
                     both = torch.tensor([doc + q])
                     prefix.append(_compare(_generate(model, both, copy.deepcopy(shared), new),
                                            _generate(model, both, flexi(), new)))
-            row = {"model": model_name, "length": len(doc) + len(questions[0]), "prompt": i, "chunk": chunk,
+            row = {"model": model_name, "length": len(doc) + len(asked[0]), "prompt": i, "chunk": chunk,
                    "budget": budget, "new_tokens": new,
                    "dense_chunked_vs_one": _compare(runs["dense/chunked"], runs["dense/one"]),
                    "flexicache_chunked_vs_one": _compare(runs["flexicache/chunked"], runs["flexicache/one"]),

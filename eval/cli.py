@@ -91,6 +91,8 @@ def _chunked_options(c):
     c.add_argument("--model", default="smollm2-135m-instruct", help="bundled model name or a local model folder")
     c.add_argument("--lengths", type=_csv(int), default=[4096, 8192], help="passage tokens, comma list")
     c.add_argument("--prompts", type=int, default=3, help="prompts (passages) per length")
+    c.add_argument("--first-prompt", type=int, default=0, help="index of the first passage (to extend a run)")
+    c.add_argument("--questions", type=int, default=2, choices=(1, 2), help="questions per passage (prefix reuse)")
     c.add_argument("--chunk", type=int, default=1024, help="prefill_chunk_size")
     c.add_argument("--budget", type=int, default=1024, help="token budget")
     c.add_argument("--new-tokens", type=int, default=64, help="greedy tokens generated per run")
@@ -245,7 +247,7 @@ def _chunked(args) -> int:
 
     _set_threads(args)
     rows = run_chunked(args.model, args.lengths, args.prompts, args.chunk, args.budget, args.new_tokens,
-                       Path(args.out), args.dtype, args.profile)
+                       Path(args.out), args.dtype, args.profile, args.questions, args.first_prompt)
     text = chunked_table(rows)
     (Path(args.out) / f"chunked-{Path(args.model).name}.md").write_text(text)
     print(text)
