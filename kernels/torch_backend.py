@@ -381,6 +381,7 @@ def sparse_decode_attention(
     out: torch.Tensor | None = None,
     table: torch.Tensor | None = None,
     row_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+    counts: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode attention of each row's query heads over the tokens of its selected pages.
 
@@ -415,12 +416,26 @@ def sparse_decode_attention(
             `slots` is None (the Triton kernel does so in-kernel).
         row_kv (`tuple`, *optional*): `(keys [N, M*P, D], values [N, M*P, Dv])`, the pages' tokens already laid out
             per row (views of the pools: `PagedKV.row_view`); then nothing is gathered and `slots` is not read.
+        counts (`torch.Tensor` of shape `[N]`, *optional*): entries per row (`FlexiCacheConfig.budget_mass`: a variable
+            number of pages per row); entries at or past a row's count are not attended, whatever they hold (here
+            masked, as -1 entries are: the step still costs the widest row; the Triton kernel stops at the count).
+            Not with `in_range` or `row_kv`.
 
     Returns:
         `torch.Tensor` of shape `[N, G, D]` in the query's dtype.
     """
     n, m = page_idx.shape
     page_size, dim = k_pool.shape[1], k_pool.shape[2]
+    if counts is not None:
+        if in_range or row_kv is not None:
+            raise ValueError("counts (a variable number of entries per row) cannot be used with in_range or row_kv.")
+        unused = torch.arange(m, device=page_idx.device)[None, :] >= counts.to(page_idx.device)[:, None]
+        page_idx = page_idx.masked_fill(unused, -1)
+        if slots is not None:
+            slots = slots.masked_fill(unused, 0)  # the null block
+        if logits is not None:
+            logits = logits.view(n, logits.shape[1], m, page_size).masked_fill(unused[:, None, :, None], NEG_INF)
+            logits = logits.view(n, -1, m * page_size)
     if row_kv is None:
         if slots is None:
             slots = table.gather(1, page_idx.clamp(min=0)).masked_fill_(page_idx < 0, 0)  # unused entries: null block
