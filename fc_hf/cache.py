@@ -329,6 +329,14 @@ class FlexiCache(Cache):
                 if group.store is not None:
                     for key, value in group.store.counters.items():
                         s[key] += value
+        ranked = [(g.ranked_pages, g.ranked_rows, g.read_pages, g.read_rows) for layer in self.flexi_layers
+                  for g in layer.groups if g.kind != "streaming"]
+        rows = sum(r[1] for r in ranked)
+        reads = sum(r[3] for r in ranked)
+        # Pages a ranked head chose per ranking, and pages a head attended per decode step (its selection plus the pages
+        # created since), over every ranked head group: under `budget_mass` the count varies per head.
+        s["pages_per_ranking"] = float(sum(r[0] for r in ranked)) / rows if rows else None
+        s["pages_per_step"] = float(sum(r[2] for r in ranked)) / reads if reads else None
         if self.auto is not None:
             s["reranks_unstable"] += self.auto.warmup_rankings
             s["auto_profile"] = self.auto.summary()

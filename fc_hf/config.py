@@ -60,6 +60,25 @@ class FlexiCacheConfig:
         tail_estimate (`bool`, *optional*, defaults to False): keep each unselected full page in the softmax as
             one term from its mean key and mean value (per-page means kept beside MinMax).
         backend (`str`, *optional*): "torch" or "triton" forces a kernel backend; None picks by device.
+        budget_mass (`float`, *optional*): None (the default) keeps K pages per ranked head (the selection above,
+            unchanged). A p in (0, 1] makes the page count per head variable (issue 32): each ranked head keeps the
+            smallest set of its refinement candidates, the forced pages (sink, recent window, page being filled)
+            always in, whose exact attention mass *among the candidates* reaches p, clamped to
+            [`budget_mass_min_pages`, `budget_mass_max_pages`]; p = 1.0 keeps every candidate up to the ceiling.
+            How p is measured: the mass is refinement's key, the softmax of `scaling * q.k` over the tokens of the C
+            candidate pages only, summed per page and averaged over the GQA group's query heads. It is not the share
+            of the head's whole attention: with M_c the candidates' share of the full softmax (not known without
+            reading every key), the kept set holds about p * M_c of the true attention, so p overstates it by
+            (1 - M_c) * p; on SmolLM2 (budget 1024) K refined pages alone held 0.946 of the true mass on average
+            (docs/eval/selection.md), so M_c is at least that on average, but broad layers (layer 0: ~0.6 at 64 pages)
+            can fall far below p. It is also the group's mean: one query head of the group may get less than p.
+            Needs refinement (`refine_pages` not 0) and a candidate-based page score (not "exact" for any group);
+            not with `tail_estimate` or `profile="auto"`. Representation and backends: `fc_hf/budget_mass.py`.
+        budget_mass_min_pages (`int`, *optional*): floor of pages per ranked head under `budget_mass` (forced pages
+            count); None means max(1, K // 4). Only with `budget_mass`.
+        budget_mass_max_pages (`int`, *optional*): ceiling of pages per ranked head under `budget_mass` (forced pages
+            count; it also bounds a stable head's device pages: ceiling + pages created since its re-rank); None means
+            min(2 * K, refine_pages' candidates); at most the candidates. Only with `budget_mass`.
         warmup_steps (`int`, *optional*, defaults to 64): `profile="auto"` only: decode steps every head is
             unstable while the cache records their selections, before it classifies them (a multiple of
             `rerank_interval`); 0 classifies before the first decode step from the prompt's last queries.
@@ -86,6 +105,9 @@ class FlexiCacheConfig:
     refine_pages: int | None = None
     backend: str | None = None
     warmup_steps: int = 64
+    budget_mass: float | None = None
+    budget_mass_min_pages: int | None = None
+    budget_mass_max_pages: int | None = None
 
     def __post_init__(self):
         def positive_int(name, value):
@@ -155,8 +177,66 @@ class FlexiCacheConfig:
                 f"FlexiCacheConfig.recent_pages must be an integer >= 0 with sink_pages + recent_pages < "
                 f"{self.pages_per_head} (the budget's pages, one of which is the page being filled), got {self.recent_pages!r}."
             )
+        self._check_budget_mass()
         self.dense_layers = tuple(int(x) for x in self.dense_layers)
         self.streaming_heads = tuple((int(a), int(b)) for a, b in self.streaming_heads)
+
+    def _check_budget_mass(self) -> None:
+        p = self.budget_mass
+        if p is None:
+            for name in ("budget_mass_min_pages", "budget_mass_max_pages"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"FlexiCacheConfig.{name} applies only with budget_mass; set budget_mass=p (0 < p <= 1) "
+                                     f"or leave {name}=None.")
+            return
+        if isinstance(p, bool) or not isinstance(p, (int, float)) or not (0.0 < float(p) <= 1.0):
+            raise ValueError(f"FlexiCacheConfig.budget_mass must be None or a number p with 0 < p <= 1 (the attention mass "
+                             f"among the candidates each head keeps), got {p!r}.")
+        self.budget_mass = float(p)
+        if not self.candidate_pages:
+            raise ValueError("FlexiCacheConfig.budget_mass needs refinement's exact candidate masses: use refine_pages=None "
+                             "(2 * K) or an integer >= K, not 0.")
+        if self.page_score == "exact" or self.stable_page_score == "exact":
+            raise ValueError("FlexiCacheConfig.budget_mass chooses among refinement's candidates; page_score='exact' and "
+                             "stable_page_score='exact' rank without candidates. Use page_score='quest' or 'group_mean' "
+                             "and stable_page_score=None.")
+        if self.tail_estimate:
+            raise ValueError("FlexiCacheConfig.budget_mass does not combine with tail_estimate=True (the tail terms assume a "
+                             "full K-page selection); set tail_estimate=False.")
+        for name in ("budget_mass_min_pages", "budget_mass_max_pages"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"FlexiCacheConfig.{name} must be None or a positive integer (pages), got {value!r}.")
+        c = self.candidate_pages
+        if self.budget_mass_max_pages is not None and self.budget_mass_max_pages > c:
+            raise ValueError(
+                f"FlexiCacheConfig.budget_mass_max_pages ({self.budget_mass_max_pages}) exceeds the {c} candidates a "
+                f"ranking re-scores (refine_pages): a head keeps only candidates. Raise refine_pages to >= "
+                f"{self.budget_mass_max_pages} or lower budget_mass_max_pages."
+            )
+        lo, hi = self.mass_min_pages, self.mass_max_pages
+        if lo > hi:
+            raise ValueError(f"FlexiCacheConfig.budget_mass_min_pages ({lo}) must not exceed budget_mass_max_pages ({hi}).")
+        forced = self.sink_pages + self.recent_pages + 1
+        if hi < forced:
+            raise ValueError(
+                f"FlexiCacheConfig.budget_mass_max_pages ({hi}) is below the {forced} pages every ranked head keeps "
+                f"(sink_pages + recent_pages + the page being filled); use budget_mass_max_pages >= {forced}."
+            )
+
+    @property
+    def mass_min_pages(self) -> int:
+        """Floor of pages per ranked head under `budget_mass` (`budget_mass_min_pages` resolved: None -> max(1, K // 4))."""
+        if self.budget_mass_min_pages is not None:
+            return self.budget_mass_min_pages
+        return max(1, self.pages_per_head // 4)
+
+    @property
+    def mass_max_pages(self) -> int:
+        """Ceiling of pages per ranked head under `budget_mass` (None -> min(2 * K, the candidates))."""
+        if self.budget_mass_max_pages is not None:
+            return self.budget_mass_max_pages
+        return min(2 * self.pages_per_head, self.candidate_pages)
 
     @property
     def pages_per_head(self) -> int:

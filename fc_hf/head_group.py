@@ -23,6 +23,7 @@ from contextlib import contextmanager, nullcontext
 import torch
 
 from . import kernels
+from .budget_mass import entry_counts, with_pages_since
 from .paged_store import PagedKV
 from .selection import PageSelector, tail_terms
 from .tiers import compaction_headroom, move_tiers
@@ -49,6 +50,14 @@ class HeadGroup:
         self.store: PagedKV | None = None
         self.head_index: torch.Tensor | None = None
         self.sel: torch.Tensor | None = None  # [N, <=K] pages chosen at the last ranking
+        # `budget_mass` (`fc_hf/budget_mass.py`): rows hold a variable number of pages, valid entries first, -1 after.
+        self.variable = cfg.budget_mass is not None and kind != STREAMING
+        # Pages chosen at rankings (summed over rows; a tensor under `budget_mass`, no sync) and rows ranked; pages
+        # attended over decode steps and row-steps: `FlexiCache.stats()` means.
+        self.ranked_pages = 0
+        self.ranked_rows = 0
+        self.read_pages = 0
+        self.read_rows = 0
         self.pages_at_rank = 0  # pages that existed at the last ranking
         self.pending: tuple[torch.Tensor, int] | None = None  # deferred ranking, applied after attention
         self.compacted = False
@@ -112,7 +121,8 @@ class HeadGroup:
             return (min(self.cfg.sink_pages, end // p) + (end % p > 0)) * rows
         held = math.ceil(end / p) * rows if store is None else store.slots_in_use() + store.slots_needed(tokens)
         if self.tiered and self.rank_next:
-            held = max(held, min(self.cfg.pages_per_head, math.ceil(end / p)) * rows)
+            most = self.cfg.mass_max_pages if self.variable else self.cfg.pages_per_head
+            held = max(held, min(most, math.ceil(end / p)) * rows)
         return held
 
     def _timed(self, name):
@@ -168,6 +178,8 @@ class HeadGroup:
         if self.is_due(step):
             new_sel = self._rank(query, page_valid, scaling, token_valid)
             self.rankings += 1
+            self.ranked_rows += new_sel.shape[0]
+            self.ranked_pages = self.ranked_pages + ((new_sel >= 0).sum() if self.variable else new_sel.numel())
             forced, self.rank_next = self.rank_next, False
             if step > 1 and self.tiered and self.cfg.promotion == "deferred" and not forced:
                 # Attend with the current pages now; promote after this step's attention.
@@ -187,6 +199,8 @@ class HeadGroup:
             return memo[4]
         if self.sel is None:  # right after prefill: everything is resident
             pages = torch.arange(store.num_pages, device=store.device).expand(store.rows, store.num_pages)
+        elif self.variable:  # valid entries first (the Triton kernel stops at each row's count)
+            pages = with_pages_since(self.sel, self.pages_at_rank, store.num_pages)
         else:
             since = torch.arange(self.pages_at_rank, store.num_pages, device=store.device)
             pages = torch.cat([self.sel, since.expand(store.rows, since.numel())], dim=1)
@@ -199,7 +213,10 @@ class HeadGroup:
         memo = self._slots_memo
         if memo is not None and memo[0] is pages and memo[1] == store.table_version:
             return memo[2]
-        slots = store.slots_for(pages)
+        if self.variable:  # -1 entries (past a row's count) point at the null block
+            slots = store.table.gather(1, pages.clamp(min=0)).masked_fill_(pages < 0, 0)
+        else:
+            slots = store.slots_for(pages)
         self._slots_memo = (pages, store.table_version, slots)
         return slots
 
@@ -222,14 +239,17 @@ class HeadGroup:
 
     def _move_tiers(self, new_sel: torch.Tensor, pages_at_rank: int) -> None:
         store = self.store
-        promoted = move_tiers(store, self._resident_pages(), new_sel)
+        promoted = move_tiers(store, self._resident_pages(), new_sel, variable=self.variable)
         if not self._after_append:  # the first ranking after a prompt or a turn fills the device from the sink
-            self.promoted_fractions.append(promoted / max(1, new_sel.numel()))
+            chosen = int((new_sel >= 0).sum()) if self.variable else new_sel.numel()
+            self.promoted_fractions.append(promoted / max(1, chosen))
         self._after_append = False
         headroom = compaction_headroom(store, self.interval)
-        if pages_at_rank == store.num_pages and kernels.backend_for(store.k_pool, self.cfg.backend) == "torch":
+        if (pages_at_rank == store.num_pages and not self.variable
+                and kernels.backend_for(store.k_pool, self.cfg.backend) == "torch"):
             # The PyTorch attention reads the pages in place until the next ranking (no gather per step); the
-            # layout is also the compaction (a pool of the resident pages plus the headroom).
+            # layout is also the compaction (a pool of the resident pages plus the headroom). Not under `budget_mass`:
+            # the layout needs every row full (its -1 entries would have no place); those pages are gathered.
             store.arrange_rows(new_sel, headroom // store.rows)
             self.compacted = True
         elif not self.compacted:
@@ -265,17 +285,25 @@ class HeadGroup:
             if check and self._checked_slots is not slots:
                 # Slots come out of a table look-up; the same look-up (pages and table unchanged: any tier move
                 # writes the table) was already checked, so a stable group checks once per ranking or new page.
-                store.check_resident(slots)
+                store.check_resident(slots.masked_fill(pages < 0, 1) if self.variable else slots)
                 self._checked_slots = slots
             tail = None
             if store.page_means is not None and store.full_pages:
                 tail = tail_terms(query, store.page_means, pages, store.full_pages, store.page_size, scaling,
                                   page_valid, softcap)
+            counts = None
+            if self.variable:  # per-row counts: the Triton kernel stops each row there, the PyTorch path masks
+                counts = entry_counts(pages)
+                self.read_pages = self.read_pages + counts.sum()
+            else:
+                self.read_pages += pages.numel()
+            self.read_rows += pages.shape[0]
             out = kernels.sparse_decode_attention(
                 query, store.k_pool, store.v_pool, slots, pages, store.length, scaling,
                 token_valid, len(self.heads), softcap, backend=self.cfg.backend, workspace=self.workspace, tail=tail,
-                in_range=True,  # every page read is a page of the sequence: never -1, never past its end
-                logits=logits, out=out, table=store.table if slots is None else None, row_kv=row_kv,
+                # every page read is a page of the sequence: never past its end, never -1 (but under `budget_mass`)
+                in_range=not self.variable,
+                logits=logits, out=out, table=store.table if slots is None else None, row_kv=row_kv, counts=counts,
             )
         if self.pending is not None:
             # Deferred promotion: start the copies now, so they overlap the rest of the step.
@@ -287,11 +315,13 @@ class HeadGroup:
     def mark(self) -> tuple:
         """This group's selection state and schedule now, with its store's mark (see `PagedKV.mark`)."""
         return (self.store.mark(), self.sel, self.pages_at_rank, self.pending, self.compacted, self.rankings,
-                len(self.promoted_fractions), self.rank_next, self._after_append)
+                len(self.promoted_fractions), self.rank_next, self._after_append,
+                (self.ranked_pages, self.ranked_rows, self.read_pages, self.read_rows))
 
     def restore(self, mark: tuple) -> None:
         store_mark, self.sel, self.pages_at_rank, self.pending, self.compacted, self.rankings, fractions, \
-            self.rank_next, self._after_append = mark
+            self.rank_next, self._after_append, counters = mark
+        self.ranked_pages, self.ranked_rows, self.read_pages, self.read_rows = counters
         self.store.restore(store_mark)
         del self.promoted_fractions[fractions:]
         self._pages_memo = self._slots_memo = self._checked_slots = None

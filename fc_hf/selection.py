@@ -20,6 +20,8 @@ Policies (`FlexiCacheConfig` options):
   read and scored exactly (true attention mass among the candidates, mean over the group); the top K of
   those are chosen. Costs reading the candidates' keys at every ranking; it is the default because no
   cheaper policy came close (docs/eval/selection.md).
+- `budget_mass=p`: refinement's candidates, but each row keeps the smallest set reaching mass p among them (forced
+  pages in, between a floor and a ceiling of pages): a variable number of pages per row (`fc_hf/budget_mass.py`).
 - `tail_estimate=True`: the unselected full pages are not dropped from the softmax but stand in as one
   term each, `P * exp(scaling * q.mean_key)` with the page's mean value (RetroInfer-like); needs the
   per-page mean key and value beside MinMax (`D + Dv` more metadata values per page).
@@ -32,6 +34,7 @@ import math
 import torch
 
 from . import kernels
+from .budget_mass import choose_by_mass
 from .config import PAGE_SCORES
 
 POS_INF = float("inf")
@@ -132,6 +135,9 @@ class PageSelector:
         self.how = page_score or cfg.page_score
         self.recent = cfg.recent_pages
         self.refine = cfg.candidate_pages
+        # `budget_mass`: a variable number of pages per row (`fc_hf/budget_mass.py`); None = K pages per row.
+        self.mass = cfg.budget_mass
+        self.floor = cfg.mass_min_pages if self.mass is not None else None
         # (chosen pages, their indices among the candidates, the candidates' logits [N, G, C, P]) of the last refined
         # ranking, for that step's attention (`take_logits`).
         self._chosen_logits: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
@@ -188,6 +194,10 @@ class PageSelector:
 
         `token_valid [B, L]` (optional): the padding mask, row n of the store being sequence n // `rows_per_batch`."""
         self._chosen_logits = None
+        if self.mass is not None:  # every page when the floor covers them all; else by mass (no -1 entries before)
+            if scores.shape[-1] <= self.floor:
+                return kernels.select_topk(scores, scores.shape[-1])
+            return self._refine(query, store, scores, scaling, token_valid, rows_per_batch)
         if not self.refine or self.how == "exact" or scores.shape[-1] <= self.k:
             return self.choose(scores)
         return self._refine(query, store, scores, scaling, token_valid, rows_per_batch)
@@ -196,6 +206,8 @@ class PageSelector:
         """Top-C candidates by score, then the K with the most exact attention mass among them (forced pages kept)."""
         # The candidates [N, C] and their scores (+inf: forced, kept first; -inf: all padding, kept last) in one op.
         cand_scores, cand = torch.topk(scores, min(self.refine, scores.shape[-1]), dim=-1, sorted=False)
+        # `budget_mass` needs every candidate's own mass (forced ones too): the masses come without the forcing.
+        forced = cand_scores if self.mass is None else torch.zeros_like(cand_scores)
         logits = None
         if kernels.backend_for(query, self.cfg.backend) == "triton":
             # Two launches read the candidates' keys in place and give their masses (kernels/refine.py).
@@ -206,17 +218,22 @@ class PageSelector:
                 table = None
             else:  # every page is on the device: the kernel looks each candidate's slot up in the block table
                 pool, slots, table = store.k_pool, None, store.table
-            mass = kernels.candidate_mass(query, pool, slots, cand, store.length, scaling, cand_scores,
+            mass = kernels.candidate_mass(query, pool, slots, cand, store.length, scaling, forced,
                                           token_valid, rows_per_batch, backend="triton", table=table)
         else:
             # The candidates' logits are kept: the step's attention re-uses the chosen pages' (`take_logits`).
             keys = store.page_keys(cand, self.workspace)  # [N, C, P, D]
             logits = kernels.torch_backend.candidate_logits(query, keys, cand, store.length, scaling,
                                                             token_valid, rows_per_batch, workspace=self.workspace)
-            mass = kernels.torch_backend.mass_from_logits(logits, store.page_size, cand_scores,
+            mass = kernels.torch_backend.mass_from_logits(logits, store.page_size, forced,
                                                           padded=token_valid is not None)
-        top = torch.topk(mass, self.k, dim=-1).indices  # [N, K]
-        chosen = cand.gather(1, top)
+        if self.mass is not None:
+            key = torch.where(torch.isinf(cand_scores), cand_scores, mass)
+            chosen, top, _ = choose_by_mass(cand, mass, key, self.mass, self.floor, self.cfg.mass_max_pages,
+                                            trim=not cand.is_cuda)
+        else:
+            top = torch.topk(mass, self.k, dim=-1).indices  # [N, K]
+            chosen = cand.gather(1, top)
         if logits is not None:
             n, c = cand.shape
             self._chosen_logits = (chosen, top, logits.view(n, logits.shape[1], c, store.page_size))
@@ -239,6 +256,10 @@ class PageSelector:
             return None
         _, top, logits = stash  # [N, K], [N, G, C, P]
         n, g, _, p = logits.shape
+        if self.mass is not None:  # `budget_mass`: -1 entries (past a row's count) are not attended
+            unused = top < 0
+            picked = logits.gather(2, top.clamp(min=0)[:, None, :, None].expand(n, g, top.shape[1], p))
+            return picked.masked_fill(unused[:, None, :, None], NEG_INF).view(n, g, -1)
         return logits.gather(2, top[:, None, :, None].expand(n, g, top.shape[1], p)).view(n, g, -1)
 
     def streaming_pages(self, rows: int, num_pages: int, device) -> torch.Tensor:

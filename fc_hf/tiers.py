@@ -16,13 +16,18 @@ from . import kernels
 from .transfer import host_work, to_device, to_host
 
 
-def move_tiers(store, old_pages: torch.Tensor, new_sel: torch.Tensor) -> int:
+def move_tiers(store, old_pages: torch.Tensor, new_sel: torch.Tensor, variable: bool = False) -> int:
     """Make `new_sel [N, K]` the resident set of `store`, whose resident pages are `old_pages [N, R]`.
 
-    Copies only the promoted pages host -> device; returns how many were promoted.
+    Copies only the promoted pages host -> device; returns how many were promoted. `variable` (`budget_mass`): both
+    may hold -1 entries (no page), and a row may gain or lose pages: promoted pages beyond the evicted slots take new
+    slots, evicted slots beyond the promoted pages are freed (`kernels.promotion_plan`).
     """
     device = store.device
-    old_slots = store.slots_for(old_pages)
+    if variable:
+        old_slots = store.table.gather(1, old_pages.clamp(min=0)).masked_fill_(old_pages < 0, 0)
+    else:
+        old_slots = store.slots_for(old_pages)
     # The plan (a few hundred indices) is worked out on the host from one copy: one host sync on CUDA per tier move,
     # not one per `nonzero` and check in it. The page being filled has no host copy yet; it is always selected, so it
     # is never evicted.
@@ -38,14 +43,21 @@ def move_tiers(store, old_pages: torch.Tensor, new_sel: torch.Tensor) -> int:
     # take an evicted page's slot, or a new one), then copy only the promoted pages host -> device.
     rows = torch.arange(store.rows, device=device)[:, None]
     store.unshare()  # a mark (speculative decoding) keeps the table and slots as they were
-    store.table[rows.expand_as(old_pages), old_pages] = 0
+    if variable:  # only real entries are written (a -1 index would be the table's last column)
+        old_ok, new_ok = old_pages >= 0, new_sel >= 0
+        store.table[rows.expand_as(old_pages)[old_ok], old_pages[old_ok]] = 0
+    else:
+        store.table[rows.expand_as(old_pages), old_pages] = 0
     slots = to_device(new_slots, device)
     p_slots = to_device(p_slots, device)
     if n_rows.numel():
         fresh = store.alloc_slots(n_rows.numel())
         slots[to_device(n_rows, device), to_device(n_cols, device)] = fresh
         p_slots = torch.cat([p_slots, fresh])
-    store.table[rows.expand_as(new_sel), new_sel] = slots
+    if variable:
+        store.table[rows.expand_as(new_sel)[new_ok], new_sel[new_ok]] = slots[new_ok]
+    else:
+        store.table[rows.expand_as(new_sel), new_sel] = slots
     store.table_changed()
     store.release(to_device(freed, device))
     store.promote(p_rows, p_pages, p_slots)

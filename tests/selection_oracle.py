@@ -9,7 +9,10 @@ may reorder the batch (beam search). It raises `AssertionError` at the first dif
   unstable: every `unstable_rerank_interval`; streaming: never) it must rank, and only then; its
   ranking must pick pages whose brute-force scores (`kernels.bruteforce.page_scores_bruteforce`,
   then `refine_scores_bruteforce` with `refine_pages`, recomputed from the recorded keys, queries
-  and padding) are the top K (compared as score sets, so exact ties may go either way);
+  and padding) are the top K (compared as score sets, so exact ties may go either way); with
+  `budget_mass`, the smallest set of candidates holding the forced pages whose mass among the
+  candidates reaches p, clamped to the floor and ceiling (`budget_mass_bruteforce`; -1 entries only
+  after a row's pages);
 - what is read: at a ranking, the new selection (with `promotion="deferred"`, a tiered group's
   later rankings take effect one step late); between rankings, the last selection plus every page
   created since; streaming heads, the sink and the most recent pages;
@@ -37,6 +40,7 @@ from fc_hf.head_group import STABLE, STREAMING, UNSTABLE, HeadGroup
 from fc_hf.kernels import bruteforce
 
 TOL = 1e-5
+NEG_INF = float("-inf")
 
 
 @contextmanager
@@ -59,6 +63,50 @@ def spy_groups(log: dict):
         yield
     finally:
         HeadGroup._rank, HeadGroup.pages_for_step = real_rank, real_pages
+
+
+def budget_mass_bruteforce(query: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, scores: list[float], cfg,
+                           scaling: float) -> tuple[list[float], dict[int, float]]:
+    """`budget_mass`, literally, for one row: `(the chosen pages' keys, descending; the key of every page)`.
+
+    Candidates: the top `candidate_pages` pages by `scores` (or every page when there are at most the floor: then all
+    are chosen). A candidate's mass: per query head the softmax of scaling * q.k over the attendable tokens of the
+    candidates only, summed over the page's tokens, averaged over the heads (float64). Forced candidates (+inf) come
+    first, then the others by mass (all-padding ones, -inf, last); the count is the shortest such prefix whose mass
+    reaches p (every candidate for p = 1), at least the forced ones, clamped to [floor, ceiling] and to the candidates.
+    A page's key: +inf forced, -inf all padding, else its mass; pages that are not candidates have none."""
+    num_pages = len(scores)
+    if num_pages <= cfg.mass_min_pages:
+        return sorted(scores, reverse=True), {i: sc for i, sc in enumerate(scores)}
+    p = cfg.page_size
+    order = sorted(range(num_pages), key=lambda i: scores[i], reverse=True)[: cfg.candidate_pages]
+    flags = valid.tolist()
+    token_ok = [flags[i] and (i // p) in order for i in range(len(flags))]
+    masses = bruteforce._page_masses(query.tolist(), keys.tolist(), token_ok, p, scaling)
+    mass = {page: sum(m[page] for m in masses) / len(masses) for page in order}
+    key = {page: NEG_INF for page in range(num_pages) if scores[page] == NEG_INF}  # ties among these may go any way
+    key.update({page: scores[page] if math.isinf(scores[page]) else mass[page] for page in order})
+    ranked = sorted(order, key=lambda page: key[page], reverse=True)
+    forced = sum(1 for page in order if scores[page] == math.inf)
+    if cfg.budget_mass >= 1.0:
+        need = len(order)
+    else:
+        need, kept = 0, 0.0
+        for page in ranked:
+            if kept >= cfg.budget_mass:
+                break
+            kept += mass[page]
+            need += 1
+    count = min(max(need, forced, min(cfg.mass_min_pages, len(order))), min(cfg.mass_max_pages, len(order)))
+    return [key[page] for page in ranked[:count]], key
+
+
+def valid_entries(row: list[int], where: str) -> list[int]:
+    """A `budget_mass` page list's pages: entries >= 0 first, -1 only after them."""
+    pages = [x for x in row if x >= 0]
+    assert row[: len(pages)] == pages and all(x == -1 for x in row[len(pages):]), (
+        f"layout {where}: page list {row} is not its pages first, then -1")
+    return pages
 
 
 def assert_top_k(chosen: list[int], scores: list[float], k: int, where: str) -> None:
@@ -170,11 +218,25 @@ def _check_group(cache, cfg, group, state, log, layer, step, query, out, valid, 
     deferred = group.kind == STABLE and cfg.offload and cfg.promotion == "deferred" and step > 1
     how = cfg.stable_page_score if group.kind == STABLE and cfg.stable_page_score else cfg.page_score
     new_sel = None
+    variable = cfg.budget_mass is not None and group.kind != STREAMING
+    if variable:
+        read = [valid_entries(r, f"read {where} row {n}") for n, r in enumerate(read)]
     if due:
         ranked = log["ranked"].tolist()
         for n, (b, h) in enumerate(rows):
             q = query[b, h * ratio : (h + 1) * ratio, 0]
             scores = bruteforce.page_scores_bruteforce(q, keys_all[b, h], valid[b], cfg, scaling, how)
+            if variable:
+                ranked[n] = valid_entries(ranked[n], f"selection {where} row {n}")
+                want, key = budget_mass_bruteforce(q, keys_all[b, h], valid[b], scores, cfg, scaling)
+                chosen = ranked[n]
+                assert len(chosen) == len(set(chosen)) == len(want) and all(c in key for c in chosen), (
+                    f"selection {where} row {n}: chose pages {chosen}, expected {len(want)} candidates with keys {want}")
+                got = sorted((key[c] for c in chosen), reverse=True)
+                for a, w in zip(got, want):
+                    same = a == w if math.isinf(a) or math.isinf(w) else abs(a - w) <= TOL + TOL * abs(w)
+                    assert same, f"selection {where} row {n}: chose keys {got}, the smallest set reaching p has {want}"
+                continue
             if cfg.candidate_pages and how != "exact" and len(scores) > k:
                 scores = bruteforce.refine_scores_bruteforce(q, keys_all[b, h], valid[b], scores, cfg.candidate_pages, p,
                                                              scaling)

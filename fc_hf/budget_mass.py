@@ -1,0 +1,88 @@
+"""Budget by attention mass (`FlexiCacheConfig.budget_mass`, issue 32): a variable number of pages per head.
+
+Choice. Refinement already computes, for each ranked row (one (sequence, KV head)), the exact attention mass of each
+of its C candidate pages among the candidates (`selection.PageSelector._refine`). With `budget_mass=p` a row keeps
+the forced pages (sink, recent window, page being filled) and then candidates in order of mass until the kept mass
+reaches p: the smallest set holding the forced pages whose mass among the candidates is >= p. Its size is clamped to
+`[mass_min_pages, mass_max_pages]` (and to C). `choose_by_mass` does that for all rows at once.
+
+Representation: a selection stays one `[N, W]` tensor per head group, padded per row with -1 after the row's pages
+(valid entries first), W the widest row of that ranking (CPU) or the ceiling (CUDA, where the width would cost a
+device sync per ranking); a row's count is its number of entries >= 0. Chosen over alternatives because
+- every consumer already takes `[N, M]` page lists: -1 entries are the "unused entry" the decode kernels and the
+  PyTorch reference already mask (`torch_backend.token_mask`, the Triton kernel's `pidx >= 0`), and the tier move's
+  plan (`torch_backend.promotion_plan`) already treats -1 as an empty entry, so a stable head's set can grow or shrink
+  between re-ranks with the same swap map (promoted pages beyond the evicted slots take new slots, evicted ones beyond
+  the promoted are freed);
+- memory stays bounded by the ceiling: at most `mass_max_pages` + the pages created since the last re-rank are
+  resident per stable row, as with K today;
+- buckets (groups of rows by size) would split a group's one launch into several and re-split at every ranking;
+  ragged (CSR) lists would need new kernels and a new tier plan.
+Cost of padded entries: the Triton decode kernel takes per-row counts (valid entries first) and stops each row at its
+count, so padded entries cost nothing there. The PyTorch path gathers and masks up to the group's widest row (entries
+past a row's count point at the null block); that is why the width is trimmed to the widest row on the CPU.
+
+What differs from the fixed budget (K pages) path, only when `budget_mass` is set: the decode's page lists carry -1
+entries (so the PyTorch path masks by `token_mask`, not the in-range bias table), a stable group's PyTorch path
+gathers its pages each step instead of reading them in place (`PagedKV.arrange_rows` needs full rows), and a group
+that ranks may hold more than K pages. With `budget_mass=None` none of this code runs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def choose_by_mass(cand: torch.Tensor, mass: torch.Tensor, key: torch.Tensor, p: float, lo: int, hi: int,
+                   trim: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The smallest set of candidates per row reaching mass `p`, forced candidates first, clamped to `[lo, hi]`.
+
+    Args:
+        cand (`torch.Tensor` of shape `[N, C]`): candidate pages (logical indices).
+        mass (`torch.Tensor` of shape `[N, C]`): each candidate's exact attention mass among the candidates, mean over
+            the group (>= 0; 0 for a page with nothing attendable), fp32.
+        key (`torch.Tensor` of shape `[N, C]`): the ranking key, +inf for forced candidates, -inf for all-padding ones,
+            else the mass (as refinement ranks them).
+        p (`float`): the mass to reach, in (0, 1]; 1.0 keeps every candidate (up to `hi`).
+        lo, hi (`int`): floor and ceiling of pages per row (forced pages count).
+        trim (`bool`): width = the widest row (else `min(hi, C)`, no device sync).
+
+    Returns:
+        `(sel [N, W], order [N, W], counts [N])`: the chosen pages, valid entries first (by descending key), -1 after a
+        row's `counts`; `order` their columns among the candidates (-1 likewise).
+    """
+    n, c = cand.shape
+    key_sorted, order = torch.sort(key, dim=1, descending=True, stable=True)
+    forced = torch.isposinf(key_sorted).sum(1)
+    if p >= 1.0:
+        need = torch.full((n,), c, dtype=torch.long, device=cand.device)
+    else:
+        m = mass.gather(1, order)
+        before = torch.cumsum(m, dim=1) - m  # mass kept before each candidate (masses >= 0: non-decreasing)
+        need = (before < p).sum(1)  # the shortest prefix whose mass reaches p
+    counts = torch.maximum(need, forced).clamp(min=min(lo, c), max=min(hi, c))
+    width = int(counts.max()) if trim and n else min(hi, c)
+    order = order[:, :width]
+    pad = torch.arange(width, device=cand.device)[None, :] >= counts[:, None]
+    sel = cand.gather(1, order).masked_fill(pad, -1)
+    return sel, order.masked_fill(pad, -1), counts
+
+
+def with_pages_since(sel: torch.Tensor, start: int, end: int) -> torch.Tensor:
+    """`sel [N, W]` (valid entries first, -1 after) followed by pages `[start, end)` in every row, still valid first.
+
+    `[N, W + end - start]`: row r is its valid entries of `sel`, then `start .. end - 1`, then -1."""
+    n, w = sel.shape
+    s = end - start
+    if s <= 0:
+        return sel
+    counts = (sel >= 0).sum(1, keepdim=True)  # [N, 1]
+    j = torch.arange(w + s, device=sel.device)[None, :]
+    ext = torch.cat([sel, sel.new_full((n, s), -1)], dim=1)
+    since = (start + j - counts).to(sel.dtype)
+    return torch.where(j < counts, ext, torch.where(j < counts + s, since, sel.new_full((), -1)))
+
+
+def entry_counts(pages: torch.Tensor) -> torch.Tensor:
+    """Per-row count of a valid-first page list `[N, M]` (entries >= 0), int32 `[N]`."""
+    return (pages >= 0).sum(1, dtype=torch.int32)
