@@ -25,12 +25,18 @@ import torch
 from . import kernels
 from .budget_mass import entry_counts, with_pages_since
 from .paged_store import PagedKV
-from .selection import PageSelector, tail_terms
+from .selection import NEG_INF, PageSelector, force_recent_pages, head_bounds, tail_terms
 from .tiers import compaction_headroom, move_tiers
 
 UNSTABLE, STABLE, STREAMING = "unstable", "stable", "streaming"
 
 _UNTIMED = nullcontext()
+
+
+def gather_pages_flat(pool: torch.Tensor, slots: torch.Tensor, workspace, name: str) -> torch.Tensor:
+    """`pool[slots.reshape(-1)]` (`[M, P, D]`), into the workspace's reused buffer `name` when there is one."""
+    flat = slots.reshape(-1)
+    return pool.index_select(0, flat) if workspace is None else workspace.gather(pool, flat, name)
 
 
 class HeadGroup:
@@ -310,6 +316,167 @@ class HeadGroup:
             self._apply(*self.pending)
             self.pending = None
         return out
+
+    # -- several decode steps at once (speculative decoding's verification, `FlexiCacheLayer.attend`) -------------
+    def can_attend_block(self) -> bool:
+        """Whether `attend_block` serves this group (the caller checks the schedule, the backend and the page count):
+        an unstable group ranked every step by the Quest bound with refinement, or a stable group between rankings."""
+        if self.pending is not None or self.variable or self.store is None:
+            return False
+        if self.kind == UNSTABLE:
+            sel = self.selector
+            return self.interval == 1 and sel.how == "quest" and bool(sel.refine)
+        return self.kind == STABLE
+
+    def block_pages_needed(self) -> int:
+        """Pages the sequence must have at every step of a block for `attend_block` (an unstable group's ranking then
+        takes exactly `refine_pages` candidates, as a single step would)."""
+        return self.selector.refine + 1 if self.kind == UNSTABLE else 0
+
+    def attend_block(self, query: torch.Tensor, lengths: torch.Tensor, scaling: float, check: bool,
+                     out: torch.Tensor):
+        """`t` consecutive decode steps of one sequence at once, their tokens appended already, each query attending as
+        its own step would (`FlexiCacheLayer.attend`). `query [N, t, G, D]` (N = this group's heads, batch 1; contiguous),
+        `lengths [t]` the sequence length at each step (every step has the same page count, none of them this group's
+        stable re-rank), written into `out [N, t, G, Dv]`.
+
+        Query j masks the tokens after its own (positions >= lengths[j]); the pages it ranks and reads are those of its
+        step: every page but the last is full at each step (its MinMax entries and keys final), the last is forced in.
+        Returns `after(i)`: this group's schedule fields once step i of the block has run (for the layer's marks)."""
+        store = self.store
+        n, t, g, d = query.shape
+        p = store.page_size
+        num_pages = store.num_pages
+        rows = n * t
+        self.selector.forget()
+        store.transfers.wait_promotions()
+        full = torch.div(lengths, p, rounding_mode="floor")  # [t] full pages at each step
+        tail = None
+        if self.kind == UNSTABLE:
+            with self._timed("scoring"):
+                sel_rows, top, logits = self._rank_block(query, lengths, num_pages, scaling)
+            k = sel_rows.shape[1]
+            slots = store.table.gather(1, sel_rows.view(n, t * k))
+            if check:
+                store.check_resident(slots)
+            with self._timed("gather_attention"):
+                logits = logits.view(rows, g, -1, p).gather(2, top[:, None, :, None].expand(rows, g, k, p))
+                logits = logits.view(rows, g, k * p)
+                values = gather_pages_flat(store.v_pool, slots, self.workspace, "v").view(rows, k * p, -1)
+                if store.page_means is not None:
+                    tail = self._tail_block(query, sel_rows.view(n, t, k), full, scaling)
+                    logits, values = torch.cat([logits, tail[0]], -1), torch.cat([values, tail[1]], 1)
+                probs = torch.softmax(logits, dim=-1)
+                out.view(rows, g, -1).copy_(torch.matmul(probs.to(values.dtype), values))
+            before = (self.rankings, self.ranked_pages, self.ranked_rows, self.read_pages, self.read_rows)
+            per = sel_rows.view(n, t, k)
+            self.sel = per[:, t - 1]
+            self.pages_at_rank = num_pages
+            self.rank_next = False
+            self.rankings += t
+            self.ranked_rows += rows
+            self.ranked_pages += rows * k
+            self.read_pages += rows * k
+            self.read_rows += rows
+
+            def after(i):
+                r, rp, rr, readp, readr = before
+                return {"sel": per[:, i], "pages_at_rank": num_pages, "rankings": r + i + 1, "rank_next": False,
+                        "counters": (rp + (i + 1) * n * k, rr + (i + 1) * n, readp + (i + 1) * n * k,
+                                     readr + (i + 1) * n)}
+            return after
+        pages = self._resident_pages()  # the same at every step of the block (one page count)
+        m = pages.shape[1]
+        with self._timed("gather_attention"):
+            row_kv = None if self.sel is None else store.row_view(self.sel, m)
+            slots = None if row_kv is not None and not check else self._slots_for(pages)
+            if check and self._checked_slots is not slots:
+                store.check_resident(slots)
+                self._checked_slots = slots
+            if row_kv is not None:
+                keys, values = row_kv
+            else:
+                flat = slots.reshape(-1)
+                keys = gather_pages_flat(store.k_pool, flat, self.workspace, "k").view(n, m * p, -1)
+                values = gather_pages_flat(store.v_pool, flat, self.workspace, "v").view(n, m * p, -1)
+            # Query j's tokens: positions < lengths[j] (the pages are whole pages of the sequence).
+            pos = (pages[:, :, None] * p + torch.arange(p, device=pages.device)).view(n, 1, m * p)
+            bias = torch.zeros(n, t, m * p, dtype=keys.dtype, device=keys.device)
+            bias.masked_fill_(pos >= lengths.view(1, t, 1), NEG_INF)
+            bias = bias[:, :, None].expand(n, t, g, m * p).reshape(n, t * g, m * p)
+            q = query.view(n, t * g, d)
+            logits = torch.baddbmm(bias, q.to(keys.dtype), keys.transpose(1, 2), alpha=scaling).float()
+            if store.page_means is not None and store.full_pages:
+                tl, tv = self._tail_block(query, pages[:, None].expand(n, t, m), full, scaling)
+                logits = torch.cat([logits, tl.view(n, t * g, -1)], -1)
+                values = torch.cat([values[:, None].expand(n, t, *values.shape[1:]), tv.view(n, t, *tv.shape[1:])], 2)
+                probs = torch.softmax(logits, dim=-1).view(n * t, g, -1)
+                out.view(n * t, g, -1).copy_(torch.matmul(probs.to(values.dtype), values.reshape(n * t, *values.shape[2:])))
+            else:
+                probs = torch.softmax(logits, dim=-1)
+                out.view(n, t * g, -1).copy_(torch.matmul(probs.to(values.dtype), values))
+        readp, readr = self.read_pages, self.read_rows
+        self.read_pages += pages.numel() * t
+        self.read_rows += n * t
+        fixed = {"sel": self.sel, "pages_at_rank": self.pages_at_rank, "rankings": self.rankings,
+                 "rank_next": self.rank_next}
+
+        def after(i):
+            return {**fixed, "counters": (self.ranked_pages, self.ranked_rows, readp + (i + 1) * pages.numel(),
+                                          readr + (i + 1) * n)}
+        return after
+
+    def _rank_block(self, query: torch.Tensor, lengths: torch.Tensor, num_pages: int, scaling: float):
+        """The rankings of `t` steps at once (`attend_block`): what `_rank` gives at each, refinement's logits kept.
+
+        Returns `(chosen [N*t, K], top [N*t, K], logits [N*t, G, C*P])`, row `i * t + j` = head i at step j."""
+        store, sel = self.store, self.selector
+        n, t, g, d = query.shape
+        rows, p, s = n * t, store.page_size, sel.subpages
+        bounds = head_bounds(query.view(n, t * g, d), store.meta, num_pages * s)  # [N, t*G, Np*S]
+        scores = bounds.view(n, t, g, num_pages * s).amax(dim=2)
+        if s > 1:
+            scores = scores.view(n, t, num_pages, s).amax(dim=-1)
+        scores = scores.reshape(rows, num_pages)
+        scores.index_fill_(1, kernels.torch_backend.forced_pages_index(num_pages, self.cfg.sink_pages, scores.device),
+                           float("inf"))
+        force_recent_pages(scores, sel.recent)
+        c = sel.refine
+        cand_scores, cand = torch.topk(scores, c, dim=-1, sorted=False)  # [N*t, C]
+        keys = store.page_keys(cand.view(n, t * c), self.workspace).view(rows, c * p, d)
+        # Step j's table of positions past its end: only the last page has any (its tokens from lengths[j] on).
+        last = torch.arange(p, device=lengths.device)[None, :] >= (lengths - (num_pages - 1) * p)[:, None]  # [t, P]
+        table = torch.zeros(t, num_pages, p, dtype=torch.float32, device=keys.device)
+        table[:, num_pages - 1].masked_fill_(last, NEG_INF)
+        offsets = (torch.arange(t, device=cand.device) * num_pages).repeat(n)[:, None]  # row i*t + j -> step j
+        bias = table.view(t * num_pages, p).index_select(0, (cand + offsets).view(-1)).view(rows, 1, c * p)
+        logits = torch.baddbmm(bias, query.view(rows, g, d).float(), keys.float().transpose(1, 2), alpha=scaling)
+        mass = kernels.torch_backend.mass_from_logits(logits, p, cand_scores, padded=False)
+        top = torch.topk(mass, sel.k, dim=-1).indices
+        return cand.gather(1, top), top, logits
+
+    def _tail_block(self, query: torch.Tensor, read: torch.Tensor, full: torch.Tensor, scaling: float):
+        """`tail_terms` of `t` steps: `query [N, t, G, D]`, the pages each reads `read [N, t, M]`, the full pages of each
+        `full [t]` -> `(logits [N*t, G, F], values [N*t, F, Dv])` with F the full pages now (later ones -inf for a step)."""
+        store = self.store
+        n, t, g, d = query.shape
+        f = store.full_pages
+        means = store.page_means[:, :f]
+        logits = torch.matmul(query.view(n, t * g, d).float(), means[..., :d].float().transpose(1, 2)) * scaling
+        logits = logits + math.log(store.page_size)
+        skip = torch.zeros(n, t, f + 1, dtype=torch.bool, device=query.device)
+        skip.scatter_(2, read.clamp(max=f), True)
+        skip = skip[..., :f] | (torch.arange(f, device=query.device)[None, :] >= full[:, None])[None]
+        logits = logits.view(n, t, g, f).masked_fill(skip[:, :, None], NEG_INF).view(n * t, g, f)
+        values = means[..., d:][:, None].expand(n, t, f, means.shape[-1] - d).reshape(n * t, f, -1)
+        return logits, values
+
+    def patched_mark(self, mark: tuple, fields: dict) -> tuple:
+        """`mark` (taken before a token of a block, `attend_block`) with this group's schedule fields as they stand once
+        the steps before that token have run (the store's part is already right: a block's steps do not change it)."""
+        store_mark, _, _, pending, compacted, _, fractions, _, after_append, _ = mark
+        return (store_mark, fields["sel"], fields["pages_at_rank"], pending, compacted, fields["rankings"], fractions,
+                fields["rank_next"], after_append, fields["counters"])
 
     # -- rollback (speculative decoding, `fc_hf/speculative.py`) -----------------------------------
     def mark(self) -> tuple:

@@ -11,6 +11,8 @@ forward of several tokens after the prompt is several decode steps (`fc_hf/specu
 
 from __future__ import annotations
 
+import os
+
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
@@ -82,6 +84,9 @@ class FlexiCacheLayer(CacheLayerMixin):
         self.record_past = False
         self._marks: list[tuple] = []
         self._block: tuple | None = None
+        # A block of decode tokens runs batched where that is exact (`_block_plan`); FLEXICACHE_BATCHED_VERIFY=0 (or
+        # this attribute False) runs every block one step at a time.
+        self.batched_verify = os.environ.get("FLEXICACHE_BATCHED_VERIFY", "1") != "0"
 
     def _make_groups(self, unstable: set[int], streaming: set[int]) -> list[HeadGroup]:
         kinds = {
@@ -364,10 +369,78 @@ class FlexiCacheLayer(CacheLayerMixin):
                 f"FlexiCache layer {self.layer_idx} was given {keys.shape[2]} decode tokens but {t} queries."
             )
         out = query.new_empty(b, t, hq, self.value_dim)
-        for j in range(t):
-            self._decode_token(keys[:, :, j : j + 1], values[:, :, j : j + 1])
-            out[:, j : j + 1] = self._attend_step(query[:, :, j : j + 1], attention_mask, scaling, softcap)
+        for start, end, batched in self._block_plan(query, attention_mask, t, softcap):
+            if not batched:
+                for j in range(start, end):
+                    self._decode_token(keys[:, :, j : j + 1], values[:, :, j : j + 1])
+                    out[:, j : j + 1] = self._attend_step(query[:, :, j : j + 1], attention_mask, scaling, softcap)
+                continue
+            first = len(self._marks)
+            for j in range(start, end):
+                self._decode_token(keys[:, :, j : j + 1], values[:, :, j : j + 1])
+            out[:, start:end] = self._attend_block(query[:, :, start:end], scaling, first)
         return out
+
+    def _block_plan(self, query: torch.Tensor, attention_mask, t: int, softcap) -> list[tuple[int, int, bool]]:
+        """How `attend` runs a block of `t` decode tokens: `(start, end, batched)` spans in order. Batched spans
+        (`_attend_block`, one set of ops for their queries) are runs of >= 2 steps with one page count and no stable
+        re-rank among them, where every group can attend so; the rest runs one step at a time, as plain decoding.
+
+        Batched only where it is exact in semantics: PyTorch backend, one sequence without padding, no softcap, no
+        profile="auto", no `budget_mass`, no streaming heads, unstable groups ranked every step by the Quest bound
+        with refinement over more pages than its candidates (`HeadGroup.can_attend_block`)."""
+        single = [(0, t, False)]
+        if (not self.batched_verify or t < 2 or query.shape[0] != 1 or softcap is not None or self.owner.auto is not None
+                or not self.record_past or self.cfg.budget_mass is not None
+                or kernels.backend_for(query, self.cfg.backend) != "torch"
+                or not all(g.can_attend_block() for g in self.groups)):
+            return single
+        if self.owner.padding_info(attention_mask, self.length + t, self.cfg.page_size)[0] is not None:
+            return single
+        p = self.cfg.page_size
+        need = max(g.block_pages_needed() for g in self.groups)
+        stable = [g for g in self.groups if g.kind == STABLE]
+        keys = []  # per step: its page count when it can be batched, else None
+        for j in range(t):
+            step, length = self.steps + j + 1, self.length + j + 1
+            pages = -(-length // p)
+            due = any((g.rank_next and j == 0) or step == 1 or step % g.interval == 0 for g in stable)
+            keys.append(None if due or pages < need else pages)
+        plan, start = [], 0
+        while start < t:
+            end = start + 1
+            while end < t and keys[end] is not None and keys[end] == keys[start]:
+                end += 1
+            batched = keys[start] is not None and end - start >= 2
+            if plan and not batched and not plan[-1][2]:
+                plan[-1] = (plan[-1][0], end, False)
+            else:
+                plan.append((start, end, batched))
+            start = end
+        return plan
+
+    def _attend_block(self, query: torch.Tensor, scaling: float, first_mark: int) -> torch.Tensor:
+        """The attention of `t` decode steps whose tokens were just appended (`_block_plan`), in one set of ops per
+        group: `query [1, Hq, t, D]` -> `[1, t, Hq, Dv]`. The marks taken before these tokens (from `first_mark` on) get
+        each group's schedule and counters as the single steps would have left them, so `crop` restores exactly."""
+        _, hq, t, d = query.shape
+        g = hq // self.num_kv_heads
+        q = query[0].view(self.num_kv_heads, g, t, d).transpose(1, 2)  # [H, t, G, D]
+        lengths = torch.arange(self.length - t + 1, self.length + 1, device=query.device)
+        check = self.owner.residency_check_for(self.device)
+        perm, spans, inverse = self._head_order()
+        q = (q if perm is None else q.index_select(0, perm)).contiguous()
+        ordered = query.new_empty(self.num_kv_heads, t, g, self.value_dim)
+        afters = [group.attend_block(q[lo:hi], lengths, scaling, check, ordered[lo:hi])
+                  for group, (lo, hi) in zip(self.groups, spans)]
+        for i in range(t - 1):  # the mark before token i + 1: the state once step i has run
+            idx = first_mark + i + 1
+            if idx < len(self._marks):
+                length, steps, marks = self._marks[idx]
+                self._marks[idx] = (length, steps, [grp.patched_mark(mk, after(i))
+                                                    for grp, mk, after in zip(self.groups, marks, afters)])
+        out = ordered if inverse is None else ordered.index_select(0, inverse)
+        return out.transpose(0, 1).reshape(1, t, hq, self.value_dim)
 
     def _attend_step(self, query: torch.Tensor, attention_mask, scaling: float, softcap: float | None) -> torch.Tensor:
         """One decode step's attention, its token appended already. `query [B, Hq, 1, D]` -> `[B, 1, Hq, D]`."""
