@@ -337,8 +337,8 @@ class HeadGroup:
                      out: torch.Tensor):
         """`t` consecutive decode steps of one sequence at once, their tokens appended already, each query attending as
         its own step would (`FlexiCacheLayer.attend`). `query [N, t, G, D]` (N = this group's heads, batch 1; contiguous),
-        `lengths [t]` the sequence length at each step (every step has the same page count, none of them this group's
-        stable re-rank), written into `out [N, t, G, Dv]`.
+        `lengths [t]` the sequence length at each step (none of them this group's stable re-rank), written into
+        `out [N, t, G, Dv]`.
 
         Query j masks the tokens after its own (positions >= lengths[j]); the pages it ranks and reads are those of its
         step: every page but the last is full at each step (its MinMax entries and keys final), the last is forced in.
@@ -347,6 +347,7 @@ class HeadGroup:
         n, t, g, d = query.shape
         p = store.page_size
         num_pages = store.num_pages
+        counts = [-(-(store.length - t + 1 + j) // p) for j in range(t)]  # each step's page count
         rows = n * t
         self.selector.forget()
         store.transfers.wait_promotions()
@@ -354,7 +355,7 @@ class HeadGroup:
         tail = None
         if self.kind == UNSTABLE:
             with self._timed("scoring"):
-                sel_rows, top, logits = self._rank_block(query, lengths, num_pages, scaling)
+                sel_rows, top, logits = self._rank_block(query, lengths, counts, scaling)
             k = sel_rows.shape[1]
             slots = store.table.gather(1, sel_rows.view(n, t * k))
             if check:
@@ -381,12 +382,13 @@ class HeadGroup:
 
             def after(i):
                 r, rp, rr, readp, readr = before
-                return {"sel": per[:, i], "pages_at_rank": num_pages, "rankings": r + i + 1, "rank_next": False,
+                return {"sel": per[:, i], "pages_at_rank": counts[i], "rankings": r + i + 1, "rank_next": False,
                         "counters": (rp + (i + 1) * n * k, rr + (i + 1) * n, readp + (i + 1) * n * k,
                                      readr + (i + 1) * n)}
             return after
-        pages = self._resident_pages()  # the same at every step of the block (one page count)
+        pages = self._resident_pages()  # the last step's; an earlier step's are these without the pages opened since
         m = pages.shape[1]
+        reads = [n * (m - (num_pages - c)) for c in counts]  # pages each step reads (its page count's)
         with self._timed("gather_attention"):
             row_kv = None if self.sel is None else store.row_view(self.sel, m)
             slots = None if row_kv is not None and not check else self._slots_for(pages)
@@ -416,40 +418,53 @@ class HeadGroup:
                 probs = torch.softmax(logits, dim=-1)
                 out.view(n, t * g, -1).copy_(torch.matmul(probs.to(values.dtype), values))
         readp, readr = self.read_pages, self.read_rows
-        self.read_pages += pages.numel() * t
+        self.read_pages += sum(reads)
         self.read_rows += n * t
         fixed = {"sel": self.sel, "pages_at_rank": self.pages_at_rank, "rankings": self.rankings,
                  "rank_next": self.rank_next}
 
         def after(i):
-            return {**fixed, "counters": (self.ranked_pages, self.ranked_rows, readp + (i + 1) * pages.numel(),
+            return {**fixed, "counters": (self.ranked_pages, self.ranked_rows, readp + sum(reads[: i + 1]),
                                           readr + (i + 1) * n)}
         return after
 
-    def _rank_block(self, query: torch.Tensor, lengths: torch.Tensor, num_pages: int, scaling: float):
+    def _rank_block(self, query: torch.Tensor, lengths: torch.Tensor, counts: list[int], scaling: float):
         """The rankings of `t` steps at once (`attend_block`): what `_rank` gives at each, refinement's logits kept.
+        `counts`: each step's page count (a block may open pages; each step ranks over its own).
 
         Returns `(chosen [N*t, K], top [N*t, K], logits [N*t, G, C*P])`, row `i * t + j` = head i at step j."""
         store, sel = self.store, self.selector
         n, t, g, d = query.shape
-        rows, p, s = n * t, store.page_size, sel.subpages
-        bounds = head_bounds(query.view(n, t * g, d), store.meta, num_pages * s)  # [N, t*G, Np*S]
-        scores = bounds.view(n, t, g, num_pages * s).amax(dim=2)
+        rows, p, s, most = n * t, store.page_size, sel.subpages, counts[-1]
+        bounds = head_bounds(query.view(n, t * g, d), store.meta, most * s)  # [N, t*G, Np*S]
+        scores = bounds.view(n, t, g, most * s).amax(dim=2)
         if s > 1:
-            scores = scores.view(n, t, num_pages, s).amax(dim=-1)
-        scores = scores.reshape(rows, num_pages)
-        scores.index_fill_(1, kernels.torch_backend.forced_pages_index(num_pages, self.cfg.sink_pages, scores.device),
-                           float("inf"))
-        force_recent_pages(scores, sel.recent)
+            scores = scores.view(n, t, most, s).amax(dim=-1)
         c = sel.refine
-        cand_scores, cand = torch.topk(scores, c, dim=-1, sorted=False)  # [N*t, C]
+        cand, cand_scores, j = [], [], 0
+        while j < t:  # the steps of one page count rank together, over exactly their pages
+            e = j
+            while e < t and counts[e] == counts[j]:
+                e += 1
+            pages = counts[j]
+            part = scores[:, j:e, :pages].reshape(n * (e - j), pages)
+            part.index_fill_(1, kernels.torch_backend.forced_pages_index(pages, self.cfg.sink_pages, part.device),
+                             float("inf"))
+            force_recent_pages(part, sel.recent)
+            top_scores, top_pages = torch.topk(part, c, dim=-1, sorted=False)
+            cand.append(top_pages.view(n, e - j, c))
+            cand_scores.append(top_scores.view(n, e - j, c))
+            j = e
+        cand = (cand[0] if len(cand) == 1 else torch.cat(cand, 1)).view(rows, c)  # [N*t, C]
+        cand_scores = (cand_scores[0] if len(cand_scores) == 1 else torch.cat(cand_scores, 1)).view(rows, c)
         keys = store.page_keys(cand.view(n, t * c), self.workspace).view(rows, c * p, d)
-        # Step j's table of positions past its end: only the last page has any (its tokens from lengths[j] on).
-        last = torch.arange(p, device=lengths.device)[None, :] >= (lengths - (num_pages - 1) * p)[:, None]  # [t, P]
-        table = torch.zeros(t, num_pages, p, dtype=torch.float32, device=keys.device)
-        table[:, num_pages - 1].masked_fill_(last, NEG_INF)
-        offsets = (torch.arange(t, device=cand.device) * num_pages).repeat(n)[:, None]  # row i*t + j -> step j
-        bias = table.view(t * num_pages, p).index_select(0, (cand + offsets).view(-1)).view(rows, 1, c * p)
+        # Step j's table of positions past its end: only its last page has any (its tokens from lengths[j] on).
+        last = torch.tensor(counts, device=lengths.device) - 1
+        past = torch.arange(p, device=lengths.device)[None, :] >= (lengths - last * p)[:, None]  # [t, P]
+        table = torch.zeros(t, most, p, dtype=torch.float32, device=keys.device)
+        table[torch.arange(t, device=keys.device), last] = torch.zeros(t, p, device=keys.device).masked_fill_(past, NEG_INF)
+        offsets = (torch.arange(t, device=cand.device) * most).repeat(n)[:, None]  # row i*t + j -> step j
+        bias = table.view(t * most, p).index_select(0, (cand + offsets).view(-1)).view(rows, 1, c * p)
         logits = torch.baddbmm(bias, query.view(rows, g, d).float(), keys.float().transpose(1, 2), alpha=scaling)
         mass = kernels.torch_backend.mass_from_logits(logits, p, cand_scores, padded=False)
         top = torch.topk(mass, sel.k, dim=-1).indices

@@ -383,8 +383,7 @@ class FlexiCacheLayer(CacheLayerMixin):
 
     def _block_plan(self, query: torch.Tensor, attention_mask, t: int, softcap) -> list[tuple[int, int, bool]]:
         """How `attend` runs a block of `t` decode tokens: `(start, end, batched)` spans in order. Batched spans
-        (`_attend_block`, one set of ops for their queries) are runs of >= 2 steps with one page count and no stable
-        re-rank among them, where every group can attend so; the rest runs one step at a time, as plain decoding.
+        (`_attend_block`, one set of ops for their queries) are runs of >= 2 steps with no stable re-rank among them, where every group can attend so; the rest runs one step at a time, as plain decoding.
 
         Batched only where it is exact in semantics: PyTorch backend, one sequence without padding, no softcap, no
         profile="auto", no `budget_mass`, no streaming heads, unstable groups ranked every step by the Quest bound
@@ -409,7 +408,7 @@ class FlexiCacheLayer(CacheLayerMixin):
         plan, start = [], 0
         while start < t:
             end = start + 1
-            while end < t and keys[end] is not None and keys[end] == keys[start]:
+            while end < t and keys[end] is not None and keys[start] is not None:
                 end += 1
             batched = keys[start] is not None and end - start >= 2
             if plan and not batched and not plan[-1][2]:

@@ -125,9 +125,9 @@ def test_long_blocks_many_pages_and_a_full_budget(seed, batched_calls):
     assert batched_calls["unstable"] > 0 and batched_calls["stable"] > 0
 
 
-def test_the_plan_splits_at_stable_reranks_and_page_boundaries():
-    """Re-rank interval 3, 4-token pages: a block of 9 from step 5 runs steps 6 and 9 (re-ranks) alone, and batches
-    the runs of one page count between them."""
+def test_the_plan_splits_at_stable_reranks_only():
+    """Re-rank interval 3, 4-token pages: a block of 9 runs each stable re-rank alone and batches the steps between
+    them, across page boundaries (each batched step ranks and reads over its own page count)."""
     make, keys, values, _ = _setup(CONFIGS["low"], batch=1, length=80)
     cache = make()
     _prefill(cache, keys[:, :, :40], values[:, :, :40])
@@ -135,13 +135,14 @@ def test_the_plan_splits_at_stable_reranks_and_page_boundaries():
     layer = cache.flexi_layers[0]
     layer.steps = 5  # the next token is step 6, at length 41 (in page 11)
     query = torch.zeros(1, 4, 9, 16)
-    # steps 6..14 at lengths 41..49: 6 (also the first after the prompt), 9 and 12 re-rank; page counts 11 (41-44),
-    # 12 (45-48), 13 (49): 13 and 14 have different page counts, so each runs alone
+    # steps 6..14 at lengths 41..49: 6 (also the first after the prompt), 9 and 12 re-rank; 13 and 14 (lengths 48 and
+    # 49) lie on both sides of a page boundary
     assert layer._block_plan(query, None, 9, None) == [(0, 1, False), (1, 3, True), (3, 4, False), (4, 6, True),
-                                                       (6, 9, False)]
+                                                       (6, 7, False), (7, 9, True)]
     layer.groups[1].rank_next = False
-    layer.steps = 6  # steps 7..15: 9, 12, 15 re-rank; 10 (length 44) and 11 (45) lie on both sides of a page boundary
-    assert layer._block_plan(query, None, 9, None) == [(0, 2, True), (2, 6, False), (6, 8, True), (8, 9, False)]
+    layer.steps = 6  # steps 7..15: 9, 12, 15 re-rank
+    assert layer._block_plan(query, None, 9, None) == [(0, 2, True), (2, 3, False), (3, 5, True), (5, 6, False),
+                                                       (6, 8, True), (8, 9, False)]
     layer.steps = 0  # step 1 ranks, whatever the interval (step 3 is a re-rank too)
     assert layer._block_plan(query[:, :, :3], None, 3, None) == [(0, 3, False)]
 
