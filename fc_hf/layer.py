@@ -353,9 +353,12 @@ class FlexiCacheLayer(CacheLayerMixin):
     def attend(self, query: torch.Tensor, attention_mask, scaling: float, softcap: float | None) -> torch.Tensor:
         """Sparse decode attention for this layer's decode steps. `query [B, Hq, T, D]` -> `[B, T, Hq, D]`.
 
-        Several decode steps in one forward (speculative decoding) run one after the other, each token appended just
-        before its query attends: every query ranks, selects and attends exactly as it would at its own step of plain
-        decoding, including a stable head's re-rank among them, which the queries after it see."""
+        Several decode steps in one forward (speculative decoding): every query ranks, selects and attends as it would
+        at its own step of plain decoding, including a stable head's re-rank among them, which the queries after it
+        see. Runs of steps without a stable re-rank attend together (`_block_plan`, `_attend_block`: their tokens
+        appended one at a time, then one set of ops per head group, each query masked past its own position and
+        ranking over its own step's pages); the rest, and everything `_block_plan` does not batch, one step at a
+        time, each token appended just before its query attends."""
         self.pending = False
         block, self._block = self._block, None
         if block is None:

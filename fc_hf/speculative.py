@@ -10,12 +10,16 @@ drives the target model's cache so (5.24, batch 1 only):
 Plain FlexiCache decoding attends densely at the prefill and sparsely at each decode step. So that the verified tokens
 are exactly plain decoding's, while recording every token after the prompt is a decode step, even inside a forward of
 several (`FlexiCacheLayer.prompt_tokens`): the layer appends them one at a time and attends each query as its own
-step would (`FlexiCacheLayer.attend`). Before each such token every layer keeps a mark (`FlexiCacheLayer._mark`:
+step would (`FlexiCacheLayer.attend`; runs of them without a stable re-rank in one set of ops per head group, where
+that is exact, `FlexiCacheLayer._block_plan`). Before each such token every layer keeps a mark (`FlexiCacheLayer._mark`:
 lengths, step counters, each group's selection and schedule, each store's tensors by reference, copied only when a
-tier move would rewrite them in place, `PagedKV.unshare`); `crop(-n)` restores the mark at `length - n` and every
+tier move would rewrite them in place, `PagedKV.unshare`; in a batched run the marks are taken before each append and
+then given each group's selection, schedule and counters as its single steps would have left them, since a batched
+run's steps change no store); `crop(-n)` restores the mark at `length - n` and every
 crop drops the marks, so the cache is then the one that never saw the rejected tokens, and nothing accumulates.
 Marks rather than an undo of each operation: restoring one is a handful of assignments, and what they restore is
-plain to check against a cache that never saw the rolled-back tokens (tests/test_speculative.py).
+plain to check against a cache that never saw the rolled-back tokens (tests/test_speculative.py,
+tests/test_batched_verify.py).
 
 Where the prompt ends. The first forward does not say where the prompt stops and the candidates start: no argument
 generate passes reaches the cache, and it starts empty. `activate_past_recording` reads it from the assisted loop
