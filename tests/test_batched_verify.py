@@ -215,3 +215,12 @@ def test_prompt_lookup_with_batched_blocks_gives_greedy_tokens(family, shape, na
     loop = FlexiCache(model.config, cfg, profile)
     assert torch.equal(_generate(model, ids, mask, loop, new=48, prompt_lookup_num_tokens=6), plain)
     assert_same_state(cache, loop, atol=1e-5)
+
+
+@pytest.mark.parametrize("cfg", [
+    FlexiCacheConfig(page_size=4, token_budget=16, rerank_interval=3, offload=False),  # stable heads untiered
+    FlexiCacheConfig(page_size=4, token_budget=16, rerank_interval=5, page_score="group_mean"),  # unstable: the loop
+    FlexiCacheConfig(page_size=4, token_budget=24, rerank_interval=4, refine_pages=12, sink_pages=0, score_subpages=1),
+], ids=["no-offload", "group-mean", "no-sink-one-subpage"])
+def test_other_configurations(cfg):
+    _run(cfg, 1, 6, 2, lambda: nullcontext([]), length=160)
