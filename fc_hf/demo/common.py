@@ -51,6 +51,23 @@ class StepClock(StoppingCriteria):
         return (len(self.times) - 1) / (self.times[-1] - self.times[0])
 
 
+def first_difference(a: torch.Tensor, b: torch.Tensor) -> int:
+    """The first index where two token sequences differ (the shorter one's length if one is a prefix)."""
+    return next((i for i, (x, y) in enumerate(zip(a.tolist(), b.tolist())) if x != y), min(len(a), len(b)))
+
+
+def divergence_line(first_diff: int, dense_logits: torch.Tensor, agree: int, n: int) -> str:
+    """Where two greedy outputs part, and how close dense's own choice was there."""
+    if first_diff >= n:
+        return f"The two outputs are identical over all {n} tokens."
+    top2 = torch.log_softmax(dense_logits[first_diff], dim=-1).topk(2).values
+    margin = float(top2[0] - top2[1])
+    why = " - a near tie, which any change in attention may flip" if margin < 0.5 else ""
+    return (f"They first differ at token {first_diff}, where dense's two likeliest next tokens were {margin:.2f} nats "
+            f"apart{why}; from there each continues its own text (teacher-forced on dense's tokens, FlexiCache "
+            f"picks dense's token at {agree}/{n} steps).")
+
+
 def teacher_forced_agreement(model, ids, target, cache) -> int:
     """Feed `ids`, then dense's own continuation `target` token by token; count the steps where the model with
     `cache` predicts dense's next token. Free-running outputs part for good at the first near tie, so this is the

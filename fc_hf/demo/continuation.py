@@ -19,7 +19,7 @@ from ..assets import text_tokens
 from ..cache import FlexiCache
 from ..compat import cache_kwargs
 from ..config import FlexiCacheConfig
-from .common import StepClock, demo_parser, load_demo_model, quiet, teacher_forced_agreement
+from .common import StepClock, demo_parser, divergence_line, first_difference, load_demo_model, quiet, teacher_forced_agreement
 
 
 def _cache_device_bytes(cache) -> int:
@@ -43,18 +43,6 @@ def _run(model, ids, cache, new_tokens: int, keep_logits: bool = False):
     return out.sequences[0, ids.shape[1] :], clock.decode_tokens_per_s(), _cache_device_bytes(cache), logits
 
 
-def _divergence_line(first_diff: int, dense_logits: torch.Tensor, agree: int, n: int) -> str:
-    """Where the two greedy continuations part, and how close dense's own choice was there."""
-    if first_diff >= n:
-        return f"The two continuations are identical over all {n} tokens."
-    top2 = torch.log_softmax(dense_logits[first_diff], dim=-1).topk(2).values
-    margin = float(top2[0] - top2[1])
-    why = " - a near tie, which any change in attention may flip" if margin < 0.5 else ""
-    return (f"They first differ at token {first_diff}, where dense's two likeliest next tokens were {margin:.2f} nats "
-            f"apart{why}; from there each continues its own text (teacher-forced on dense's tokens, FlexiCache "
-            f"picks dense's token at {agree}/{n} steps).")
-
-
 def main(argv: list[str] | None = None) -> int:
     p = demo_parser("flexicache demo --continue", __doc__)
     p.add_argument("--prompt-tokens", type=int, default=6000)
@@ -73,7 +61,7 @@ def _demo(args) -> int:
     dense_out, dense_tps, dense_bytes, dense_logits = _run(model, ids, dense_cache, args.new_tokens, keep_logits=True)
     cache = FlexiCache(model.config, FlexiCacheConfig(token_budget=args.budget), profile)
     fc_out, fc_tps, fc_bytes, _ = _run(model, ids, cache, args.new_tokens)
-    first_diff = next((i for i, (a, b) in enumerate(zip(dense_out.tolist(), fc_out.tolist())) if a != b), len(fc_out))
+    first_diff = first_difference(dense_out, fc_out)
     report, stats = cache.memory_report(), cache.stats()
     forced = FlexiCache(model.config, FlexiCacheConfig(token_budget=args.budget), profile)
     agree = teacher_forced_agreement(model, ids, dense_out, forced)
@@ -95,5 +83,5 @@ def _demo(args) -> int:
               f"{stats['pages_promoted']} pages promoted.")
     print("\nDense continuation:     ", repr(tokenizer.decode(dense_out[:40])))
     print("FlexiCache continuation:", repr(tokenizer.decode(fc_out[:40])))
-    print(_divergence_line(first_diff, dense_logits, agree, n))
+    print(divergence_line(first_diff, dense_logits, agree, n))
     return 0

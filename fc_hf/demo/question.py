@@ -21,7 +21,8 @@ from ..assets.text import long_prompt
 from ..cache import FlexiCache
 from ..compat import cache_kwargs
 from ..config import FlexiCacheConfig
-from .common import StepClock, demo_parser, load_demo_model, quiet, teacher_forced_agreement
+from .common import (StepClock, demo_parser, divergence_line, first_difference, load_demo_model, quiet,
+                     teacher_forced_agreement)
 
 NEEDLE = "The special magic number for the silver lighthouse is {number}."
 QUESTION = "What is the special magic number for the silver lighthouse mentioned in the text above?"
@@ -53,14 +54,17 @@ def _device_bytes(cache) -> tuple[int, int]:
     return held, held
 
 
-def _answer(model, ids, cache, new_tokens: int, **generate_kw) -> dict:
+def _answer(model, ids, cache, new_tokens: int, keep_logits: bool = False, **generate_kw) -> dict:
+    """One greedy answer: its tokens, decode tok/s, device KV at the peak and after; dense's next-token logits with
+    `keep_logits` (to say how close a near tie was where another answer parts from it)."""
     clock = StepClock()
     with torch.no_grad():
         out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                             do_sample=False, stopping_criteria=StoppingCriteriaList([clock]), **generate_kw,
-                             **cache_kwargs(model, cache))
+                             do_sample=False, stopping_criteria=StoppingCriteriaList([clock]), output_logits=keep_logits,
+                             return_dict_in_generate=True, **generate_kw, **cache_kwargs(model, cache))
     peak, held = _device_bytes(cache)
-    return {"tokens": out[0, ids.shape[1] :], "tok_s": clock.decode_tokens_per_s(), "peak": peak, "held": held}
+    return {"tokens": out.sequences[0, ids.shape[1] :], "tok_s": clock.decode_tokens_per_s(), "peak": peak,
+            "held": held, "logits": torch.cat(out.logits).float() if keep_logits else None}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -79,7 +83,7 @@ def _demo(args) -> int:
     cfg = FlexiCacheConfig(token_budget=args.budget)
     name = "FlexiCache" if profile is not None else "Quest (no profile)"
 
-    dense = _answer(model, ids, DynamicCache(config=model.config), args.new_tokens)
+    dense = _answer(model, ids, DynamicCache(config=model.config), args.new_tokens, keep_logits=True)
     shared = FlexiCache(model.config, cfg, profile)  # the document, prefilled once
     with torch.no_grad():
         model(input_ids=ids[:, :prefix], use_cache=True, **cache_kwargs(model, shared))
@@ -110,6 +114,12 @@ def _demo(args) -> int:
           f"{len(same)} of {len(rows) - 2} give the copied row's answer token for token"
           + ("." if len(same) == len(rows) - 2 else " (the others differ by the prefill's rounding over other chunk "
              "shapes, which can flip a near tie)."))
+    if not torch.equal(copied["tokens"], dense["tokens"]):
+        first = first_difference(dense["tokens"], copied["tokens"])
+        shown = [repr(tokenizer.decode(run["tokens"][first : first + 1])) for run in (dense, copied)]
+        print(f"{name}'s answer is not dense's: at answer token {first} dense says {shown[0]}, {name} {shown[1]}. "
+              + divergence_line(first, dense["logits"], agree, n)
+              + f" A larger budget keeps more pages per head: flexicache demo --budget {2 * args.budget}.")
     print("Device KV: the K/V a cache holds on the accelerator (here CPU memory), its peak counted by the cache itself "
           "(FlexiCache: page pools plus a chunk's one-layer read-back); metadata not included.")
     return 0
