@@ -82,7 +82,7 @@ class FlexiCacheConfig:
         warmup_steps (`int`, *optional*, defaults to 64): `profile="auto"` only: decode steps every head is
             unstable while the cache records their selections, before it classifies them (a multiple of
             `rerank_interval`); 0 classifies before the first decode step from the prompt's last queries.
-            64: on SmolLM2 the set found then overlapped the offline profile most (README, `profile="auto"`).
+            64: on SmolLM2 the set found then overlapped the offline profile most (docs/usage.md, `profile="auto"`).
     """
 
     page_size: int = 16
