@@ -116,11 +116,25 @@ def gguf_path(name: str, workdir: Path | None = None) -> Path:
 
 @contextlib.contextmanager
 def _hub_offline():
-    old = os.environ.get("HF_HUB_OFFLINE")
+    """No hub access and no progress bars (the conversion prints its own one-line steps); restored afterwards."""
+    import functools
+
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+    from transformers.utils import logging
+
+    old, bars = os.environ.get("HF_HUB_OFFLINE"), logging.is_progress_bar_enabled()
+    gguf_bar = getattr(gguf_utils, "tqdm", None)  # the GGUF reader's own tqdm, outside transformers' switch
     os.environ["HF_HUB_OFFLINE"] = "1"
+    logging.disable_progress_bar()
+    if gguf_bar is not None:
+        gguf_utils.tqdm = functools.partial(gguf_bar, disable=True)
     try:
         yield
     finally:
+        if gguf_bar is not None:
+            gguf_utils.tqdm = gguf_bar
+        if bars:
+            logging.enable_progress_bar()
         if old is None:
             os.environ.pop("HF_HUB_OFFLINE", None)
         else:
@@ -166,7 +180,8 @@ def _convert(spec: ModelSpec, dest: Path, verbose: bool) -> None:
         }
         (folder / _MARKER).write_text(json.dumps(info, indent=2) + "\n")
 
-    _atomic_folder(dest, write)
+    with _hub_offline():
+        _atomic_folder(dest, write)
     say(f"[{spec.name}] saved, reloaded, verified identical: {dest} ({time.perf_counter() - t2:.1f} s)")
     if gguf.parent == dest.parent.parent / "gguf":  # an assembled copy: no longer needed
         gguf.unlink(missing_ok=True)
