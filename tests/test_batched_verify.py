@@ -15,7 +15,7 @@ import torch
 from conftest import tiny_model
 from deferred_transfers import deferred_transfers
 from test_speculative import CONFIGS, _forward, _generate, _mixed_profile, _prefill, _prompt, _setup, _steps
-from test_speculative import assert_same_state
+from test_speculative import assert_crop_cycles_hold_memory, assert_same_state
 
 import fc_hf.head_group as head_group
 from fc_hf import FlexiCache, FlexiCacheConfig
@@ -183,18 +183,7 @@ def test_many_batched_verifications_hold_no_more_memory(batched_calls):
     _prefill(cache, keys[:, :, :70], values[:, :, :70])
     _forward(cache, keys[:, :, 70:71], values[:, :, 70:71], queries[:, :, 70:71])
     _forward(cache, keys[:, :, 71:72], values[:, :, 71:72], queries[:, :, 71:72])
-    before = cache.memory_report()
-    before.pop("peak_device_kv_bytes")
-    cache.activate_past_recording()
-    g = torch.Generator().manual_seed(1)
-    for i in range(30):
-        idx = torch.randint(0, 200, (6,), generator=g)
-        _forward(cache, keys[:, :, idx], values[:, :, idx], queries[:, :, idx])
-        cache.crop(-6)
-        after = cache.memory_report()
-        after.pop("peak_device_kv_bytes")
-        assert after == before
-        assert all(not layer._marks for layer in cache.flexi_layers)
+    assert_crop_cycles_hold_memory(cache, keys, values, queries)
     assert batched_calls["unstable"] > 0
 
 

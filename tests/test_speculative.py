@@ -225,14 +225,20 @@ def test_many_verify_and_crop_cycles_hold_no_more_memory():
     cache = make()
     _prefill(cache, keys[:, :, :70], values[:, :, :70])
     _forward(cache, keys[:, :, 70:71], values[:, :, 70:71], queries[:, :, 70:71])
+    assert_crop_cycles_hold_memory(cache, keys, values, queries)
+
+
+def assert_crop_cycles_hold_memory(cache, keys, values, queries, cycles: int = 30, tokens: int = 6):
+    """`cycles` verifications of `tokens` random tokens, each taken back: the memory report (its peak aside) as
+    before every time, and no marks left."""
     before = cache.memory_report()
     before.pop("peak_device_kv_bytes")
     cache.activate_past_recording()
     g = torch.Generator().manual_seed(1)
-    for _ in range(30):
-        idx = torch.randint(0, 200, (6,), generator=g)
+    for _ in range(cycles):
+        idx = torch.randint(0, keys.shape[2], (tokens,), generator=g)
         _forward(cache, keys[:, :, idx], values[:, :, idx], queries[:, :, idx])
-        cache.crop(-6)
+        cache.crop(-tokens)
         after = cache.memory_report()
         after.pop("peak_device_kv_bytes")
         assert after == before
