@@ -24,19 +24,13 @@ import torch
 
 from . import kernels
 from .budget_mass import entry_counts, with_pages_since
-from .paged_store import PagedKV
+from .paged_store import PagedKV, gather_pages
 from .selection import NEG_INF, PageSelector, force_recent_pages, head_bounds, tail_terms
 from .tiers import compaction_headroom, move_tiers
 
 UNSTABLE, STABLE, STREAMING = "unstable", "stable", "streaming"
 
 _UNTIMED = nullcontext()
-
-
-def gather_pages_flat(pool: torch.Tensor, slots: torch.Tensor, workspace, name: str) -> torch.Tensor:
-    """`pool[slots.reshape(-1)]` (`[M, P, D]`), into the workspace's reused buffer `name` when there is one."""
-    flat = slots.reshape(-1)
-    return pool.index_select(0, flat) if workspace is None else workspace.gather(pool, flat, name)
 
 
 class HeadGroup:
@@ -363,7 +357,7 @@ class HeadGroup:
             with self._timed("gather_attention"):
                 logits = logits.view(rows, g, -1, p).gather(2, top[:, None, :, None].expand(rows, g, k, p))
                 logits = logits.view(rows, g, k * p)
-                values = gather_pages_flat(store.v_pool, slots, self.workspace, "v").view(rows, k * p, -1)
+                values = gather_pages(store.v_pool, slots, self.workspace, "v").view(rows, k * p, -1)
                 if store.page_means is not None:
                     tail = self._tail_block(query, sel_rows.view(n, t, k), full, scaling)
                     logits, values = torch.cat([logits, tail[0]], -1), torch.cat([values, tail[1]], 1)
@@ -398,9 +392,8 @@ class HeadGroup:
             if row_kv is not None:
                 keys, values = row_kv
             else:
-                flat = slots.reshape(-1)
-                keys = gather_pages_flat(store.k_pool, flat, self.workspace, "k").view(n, m * p, -1)
-                values = gather_pages_flat(store.v_pool, flat, self.workspace, "v").view(n, m * p, -1)
+                keys = gather_pages(store.k_pool, slots, self.workspace, "k").view(n, m * p, -1)
+                values = gather_pages(store.v_pool, slots, self.workspace, "v").view(n, m * p, -1)
             # Query j's tokens: positions < lengths[j] (the pages are whole pages of the sequence).
             pos = (pages[:, :, None] * p + torch.arange(p, device=pages.device)).view(n, 1, m * p)
             bias = torch.zeros(n, t, m * p, dtype=keys.dtype, device=keys.device)
