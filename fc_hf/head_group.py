@@ -450,15 +450,21 @@ class HeadGroup:
             j = e
         cand = (cand[0] if len(cand) == 1 else torch.cat(cand, 1)).view(rows, c)  # [N*t, C]
         cand_scores = (cand_scores[0] if len(cand_scores) == 1 else torch.cat(cand_scores, 1)).view(rows, c)
-        keys = store.page_keys(cand.view(n, t * c), self.workspace).view(rows, c * p, d)
+        # The steps' candidates overlap: each head reads the keys of their union once and scores all its queries
+        # against them in one matmul; each row then takes its own candidates' logits (what `_rank` computes).
+        union, where = union_pages(cand.view(n, t * c), most)  # [N, U], [N, t*C] (positions in the union)
+        u = union.shape[1]
+        keys = store.page_keys(union, self.workspace).view(n, u * p, d)
         # Step j's table of positions past its end: only its last page has any (its tokens from lengths[j] on).
         last = torch.tensor(counts, device=lengths.device) - 1
         past = torch.arange(p, device=lengths.device)[None, :] >= (lengths - last * p)[:, None]  # [t, P]
         table = torch.zeros(t, most, p, dtype=torch.float32, device=keys.device)
         table[torch.arange(t, device=keys.device), last] = torch.zeros(t, p, device=keys.device).masked_fill_(past, NEG_INF)
-        offsets = (torch.arange(t, device=cand.device) * most).repeat(n)[:, None]  # row i*t + j -> step j
-        bias = table.view(t * most, p).index_select(0, (cand + offsets).view(-1)).view(rows, 1, c * p)
-        logits = torch.baddbmm(bias, query.view(rows, g, d).float(), keys.float().transpose(1, 2), alpha=scaling)
+        bias = table.index_select(1, union.reshape(-1)).reshape(t, n, 1, u * p).transpose(0, 1).expand(n, t, g, u * p)
+        logits = torch.baddbmm(bias.reshape(n, t * g, u * p), query.view(n, t * g, d).float(),
+                               keys.float().transpose(1, 2), alpha=scaling)
+        at = where.view(n, t, 1, c, 1).expand(n, t, g, c, p)
+        logits = logits.view(n, t, g, u, p).gather(3, at).view(rows, g, c * p)
         mass = kernels.torch_backend.mass_from_logits(logits, p, cand_scores, padded=False)
         top = torch.topk(mass, sel.k, dim=-1).indices
         return cand.gather(1, top), top, logits
@@ -510,3 +516,16 @@ class HeadGroup:
             self.sel = self.sel[row_map]
         if self.pending is not None:
             self.pending = (self.pending[0][row_map], self.pending[1])
+
+
+def union_pages(pages: torch.Tensor, num_pages: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's distinct pages: `pages [N, M]` (< `num_pages`) -> `(union [N, U], where [N, M])`, `union` ascending
+    (rows with fewer than U distinct pages padded with pages none of theirs) and `union.gather(1, where) == pages`.
+    U is read on the host (one sync on CUDA)."""
+    n = pages.shape[0]
+    present = torch.zeros(n, num_pages, dtype=torch.uint8, device=pages.device).scatter_(1, pages, 1)
+    u = int(present.sum(1).max())
+    union = torch.sort(present, dim=1, descending=True, stable=True).indices[:, :u].contiguous()
+    at = torch.empty(n, num_pages, dtype=torch.long, device=pages.device)
+    at.scatter_(1, union, torch.arange(u, device=pages.device).expand(n, u))
+    return union, at.gather(1, pages)

@@ -213,3 +213,21 @@ def test_prompt_lookup_with_batched_blocks_gives_greedy_tokens(family, shape, na
 ], ids=["no-offload", "group-mean", "no-sink-one-subpage"])
 def test_other_configurations(cfg):
     _run(cfg, 1, 6, 2, lambda: nullcontext([]), length=160)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_union_pages_against_brute_force(seed):
+    """`union_pages` (each head reads its block's candidate keys once): every row's distinct pages, ascending, padded
+    with pages none of the row's, and positions that give each entry back."""
+    g = torch.Generator().manual_seed(seed)
+    num_pages = int(torch.randint(4, 60, (1,), generator=g))
+    pages = torch.randint(0, num_pages, (3, int(torch.randint(1, 40, (1,), generator=g))), generator=g)
+    union, where = head_group.union_pages(pages, num_pages)
+    width = max(len(set(row.tolist())) for row in pages)
+    assert union.shape == (3, width)
+    assert torch.equal(union.gather(1, where), pages)
+    for row, mine in zip(pages, union):
+        distinct = sorted(set(row.tolist()))
+        assert mine[: len(distinct)].tolist() == distinct
+        assert not set(mine[len(distinct):].tolist()) & set(distinct)
+        assert len(set(mine.tolist())) == width

@@ -284,6 +284,8 @@ def check_worker(spec: dict) -> None:
                 row[f"{label}/{mode}"] = got["tokens"] == reference
                 row[f"{label}/{mode}/per_forward"] = round(got["decode_tokens"] / max(1, got["forwards"]), 2)
         print(json.dumps(row), flush=True)
+        differ = [k for k, v in row.items() if v is False]  # progress on stderr; the rows reach stdout at the end
+        log(f"speculative-check: {spec['model']} prompt {i + 1}/{spec['prompts']}: {', '.join(differ) or 'all equal'}")
 
 
 def suite_check(args, out: Path) -> None:
