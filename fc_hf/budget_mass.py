@@ -61,11 +61,100 @@ def choose_by_mass(cand: torch.Tensor, mass: torch.Tensor, key: torch.Tensor, p:
         before = torch.cumsum(m, dim=1) - m  # mass kept before each candidate (masses >= 0: non-decreasing)
         need = (before < p).sum(1)  # the shortest prefix whose mass reaches p
     counts = torch.maximum(need, forced).clamp(min=min(lo, c), max=min(hi, c))
-    width = int(counts.max()) if trim and n else min(hi, c)
+    return _take(cand, order, counts, min(hi, c), trim)
+
+
+def choose_counts(cand: torch.Tensor, key: torch.Tensor, counts: torch.Tensor, hi: int,
+                  trim: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`counts [N]` candidates per row by descending `key` (forced ones, at +inf, first), as `choose_by_mass` returns
+    them; a row's count is raised to its forced candidates and cut to the candidates (`budget_split="mass"`)."""
+    c = cand.shape[1]
+    key_sorted, order = torch.sort(key, dim=1, descending=True, stable=True)
+    counts = torch.maximum(counts.to(cand.device), torch.isposinf(key_sorted).sum(1)).clamp(max=c)
+    return _take(cand, order, counts, min(hi, c), trim)
+
+
+def _take(cand: torch.Tensor, order: torch.Tensor, counts: torch.Tensor, most: int, trim: bool):
+    """The first `counts` columns of `order` per row: `(sel, order, counts)`, -1 past a row's count; width the widest
+    row (`trim`) or `most`."""
+    width = int(counts.max()) if trim and cand.shape[0] else most
     order = order[:, :width]
     pad = torch.arange(width, device=cand.device)[None, :] >= counts[:, None]
     sel = cand.gather(1, order).masked_fill(pad, -1)
     return sel, order.masked_fill(pad, -1), counts
+
+
+class MassSplit:
+    """`budget_split="mass"`: the model's pages, K per ranked head, split between its heads by attention mass.
+
+    At the first decode step after a prompt every ranked head group ranks and keeps K pages per head, as "even" does,
+    and reports each row's ranking keys among its candidates (`report`: the exact mass among the candidates, +inf for
+    forced pages). Once every ranked group has reported, `allocate` gives every ranked head of a sequence
+    its count for the rankings after: the forced pages and the floor first, then the N - (those) candidates of largest
+    mass over all the sequence's heads (N = K x ranked heads; no head past the ceiling or its candidates). One
+    threshold on mass thus decides every head's count: a head whose attention sits on a few pages gives pages to one
+    whose attention is spread. Masses are comparable across heads: each row's sum to 1 over its candidates. The
+    average stays K per ranked head at every ranking (below it only where the candidates run out; above it only
+    where forced pages and floors alone exceed N).
+
+    A multi-token append (a new prompt, a prefill chunk, a turn) forgets the split (`reset`); the next first decode
+    step measures again. Rows are `b * heads + h` in each group (a sequence's rows share its N)."""
+
+    def __init__(self, pages_per_head: int, lo: int, hi: int):
+        self.k, self.lo, self.hi = pages_per_head, lo, hi
+        # The ranked groups' selectors (`join`); each holds its rows' counts as `split_counts` (None: K each), so a
+        # copy of the cache (`copy.deepcopy`) carries its own split with its own selectors.
+        self.members: list = []
+        self.reports: dict[int, tuple[torch.Tensor, int]] = {}  # member index -> (keys [rows, C], heads)
+
+    def join(self, selector) -> None:
+        selector.split_index, selector.split_counts = len(self.members), None
+        self.members.append(selector)
+
+    def reset(self) -> None:
+        self.reports = {}
+        for member in self.members:
+            member.split_counts = None
+
+    def report(self, selector, key: torch.Tensor, heads: int) -> None:
+        """`key [rows, C]`: a ranked group's candidates' keys at the first decode step (`heads` KV heads per sequence).
+        The last group to report allocates every member's counts."""
+        self.reports[selector.split_index] = (key, heads)
+        if len(self.reports) == len(self.members):
+            for index, counts in self.allocate(self.reports).items():
+                self.members[index].split_counts = counts
+            self.reports = {}
+
+    def allocate(self, reports: dict) -> dict[int, torch.Tensor]:
+        """Each reporter's counts `[rows]` (see the class docstring), by member index."""
+        parts, meta = [], []
+        for owner, (key, heads) in reports.items():
+            rows, c = key.shape
+            batch = rows // heads
+            ranked = torch.sort(key.float(), dim=1, descending=True).values
+            forced = torch.isposinf(ranked).sum(1)
+            most = min(self.hi, c)
+            base = torch.maximum(forced, torch.full_like(forced, min(self.lo, c))).clamp(max=most)
+            col = torch.arange(c, device=key.device)[None, :]
+            # Candidates a head may add: past its base, below its ceiling; all-padding ones (-inf) last of those.
+            extra = torch.where((col >= base[:, None]) & (col < most),
+                                ranked.clamp(min=torch.finfo(torch.float32).min), ranked.new_tensor(float("-inf")))
+            parts.append(extra.view(batch, heads * c))
+            meta.append((owner, batch, heads, c, base))
+        values = torch.cat(parts, dim=1)  # [B, all ranked heads' candidates]
+        total = sum(heads for _, _, heads, _, _ in meta)
+        base_sum = sum(base.view(batch, heads).sum(1) for _, batch, heads, _, base in meta)  # [B]
+        left = (self.k * total - base_sum).clamp(min=0)
+        order = torch.sort(values, dim=1, descending=True, stable=True).indices
+        rank = torch.empty_like(order).scatter_(1, order, torch.arange(values.shape[1], device=values.device)
+                                                .expand_as(order))
+        taken = (rank < left[:, None]) & torch.isfinite(values)  # -inf: not a candidate a head may add
+        out, start = {}, 0
+        for owner, batch, heads, c, base in meta:
+            mine = taken[:, start : start + heads * c].reshape(batch * heads, c)
+            out[owner] = base + mine.sum(1)
+            start += heads * c
+        return out
 
 
 def with_pages_since(sel: torch.Tensor, start: int, end: int) -> torch.Tensor:

@@ -10,6 +10,7 @@ import sys
 import torch
 from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLayer
 
+from .budget_mass import MassSplit
 from .config import FlexiCacheConfig
 from .errors import FlexiCacheError
 from .kernels import GatherWorkspace
@@ -107,6 +108,9 @@ class FlexiCache(Cache):
         self.check_residency: bool | None = None
         self._mask_memo = None
         self.prompt_end: int | None = None  # speculative decoding: where the assisted loop's prompt ends
+        # budget_split="mass": one split of the model's pages between its ranked heads (`fc_hf/budget_mass.py`)
+        self.mass_split = (MassSplit(cfg.pages_per_head, cfg.mass_min_pages, cfg.mass_max_pages)
+                           if cfg.budget_split == "mass" else None)
         layers = []
         for idx, kind in enumerate(_layer_types(text)):
             if kind in _SLIDING:
@@ -187,6 +191,12 @@ class FlexiCache(Cache):
         lookup call this before their loop. Until recording ends, every token after the prompt is a decode step,
         however many a forward brings."""
         check_auto_profile(self.auto)
+        if self.mass_split is not None:
+            raise FlexiCacheError(
+                'budget_split="mass" does not combine with speculative decoding (prompt lookup, assisted decoding): '
+                "its split of the budget is measured at the first decode step and a crop could take that step back. "
+                'Use budget_split="even" (the default) or budget_mass=p with speculative decoding. Nothing was changed.'
+            )
         prompt = assisted_loop_prompt(sys._getframe(1))
         if prompt is not None:
             check_loop_start(prompt, self.get_seq_length(self._first_flexi_idx or 0))

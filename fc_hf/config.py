@@ -74,11 +74,17 @@ class FlexiCacheConfig:
             can fall far below p. It is also the group's mean: one query head of the group may get less than p.
             Needs refinement (`refine_pages` not 0) and a candidate-based page score (not "exact" for any group);
             not with `tail_estimate` or `profile="auto"`. Representation and backends: `fc_hf/budget_mass.py`.
-        budget_mass_min_pages (`int`, *optional*): floor of pages per ranked head under `budget_mass` (forced pages
-            count); None means max(1, K // 4). Only with `budget_mass`.
-        budget_mass_max_pages (`int`, *optional*): ceiling of pages per ranked head under `budget_mass` (forced pages
-            count; it also bounds a stable head's device pages: ceiling + pages created since its re-rank); None means
-            min(2 * K, refine_pages' candidates); at most the candidates. Only with `budget_mass`.
+        budget_split (`str`, *optional*, defaults to "even"): how the budget is shared between ranked heads. "even":
+            K pages each. "mass": the model's pages, K x its ranked heads, split between heads by one attention-mass
+            threshold measured at the first decode step (`fc_hf/budget_mass.py`, `MassSplit`): each head then keeps
+            its own count of pages, the ones of most mass among its candidates, between `budget_mass_min_pages` and
+            `budget_mass_max_pages`; the average stays K per ranked head (equal bytes to "even"). Needs what
+            `budget_mass` needs; not with `budget_mass`, `profile="auto"` or speculative decoding.
+        budget_mass_min_pages (`int`, *optional*): floor of pages per ranked head under `budget_mass` or
+            `budget_split="mass"` (forced pages count); None means max(1, K // 4).
+        budget_mass_max_pages (`int`, *optional*): ceiling of pages per ranked head under `budget_mass` or
+            `budget_split="mass"` (forced pages count; it also bounds a stable head's device pages: ceiling + pages
+            created since its re-rank); None means min(2 * K, refine_pages' candidates); at most the candidates.
         warmup_steps (`int`, *optional*, defaults to 64): `profile="auto"` only: decode steps every head is
             unstable while the cache records their selections, before it classifies them (a multiple of
             `rerank_interval`); 0 classifies before the first decode step from the prompt's last queries.
@@ -106,6 +112,7 @@ class FlexiCacheConfig:
     backend: str | None = None
     warmup_steps: int = 64
     budget_mass: float | None = None
+    budget_split: str = "even"
     budget_mass_min_pages: int | None = None
     budget_mass_max_pages: int | None = None
 
@@ -183,25 +190,34 @@ class FlexiCacheConfig:
 
     def _check_budget_mass(self) -> None:
         p = self.budget_mass
-        if p is None:
+        if self.budget_split not in ("even", "mass"):
+            raise ValueError(f'FlexiCacheConfig.budget_split must be "even" (K pages per ranked head) or "mass" (the '
+                             f"model's pages split by attention mass), got {self.budget_split!r}.")
+        if p is not None and self.budget_split == "mass":
+            raise ValueError('FlexiCacheConfig.budget_mass and budget_split="mass" are two ways to vary the pages per '
+                             'head; set one (budget_mass=p keeps mass p per head, budget_split="mass" keeps K per head '
+                             "on average).")
+        if not self.variable_pages:
             for name in ("budget_mass_min_pages", "budget_mass_max_pages"):
                 if getattr(self, name) is not None:
-                    raise ValueError(f"FlexiCacheConfig.{name} applies only with budget_mass; set budget_mass=p (0 < p <= 1) "
-                                     f"or leave {name}=None.")
+                    raise ValueError(f"FlexiCacheConfig.{name} applies only with budget_mass or budget_split='mass'; "
+                                     f"set one of them or leave {name}=None.")
             return
-        if isinstance(p, bool) or not isinstance(p, (int, float)) or not (0.0 < float(p) <= 1.0):
-            raise ValueError(f"FlexiCacheConfig.budget_mass must be None or a number p with 0 < p <= 1 (the attention mass "
-                             f"among the candidates each head keeps), got {p!r}.")
-        self.budget_mass = float(p)
+        what = "budget_mass" if p is not None else "budget_split='mass'"
+        if p is not None:
+            if isinstance(p, bool) or not isinstance(p, (int, float)) or not (0.0 < float(p) <= 1.0):
+                raise ValueError(f"FlexiCacheConfig.budget_mass must be None or a number p with 0 < p <= 1 (the "
+                                 f"attention mass among the candidates each head keeps), got {p!r}.")
+            self.budget_mass = float(p)
         if not self.candidate_pages:
-            raise ValueError("FlexiCacheConfig.budget_mass needs refinement's exact candidate masses: use refine_pages=None "
+            raise ValueError(f"FlexiCacheConfig.{what} needs refinement's exact candidate masses: use refine_pages=None "
                              "(2 * K) or an integer >= K, not 0.")
         if self.page_score == "exact" or self.stable_page_score == "exact":
-            raise ValueError("FlexiCacheConfig.budget_mass chooses among refinement's candidates; page_score='exact' and "
+            raise ValueError(f"FlexiCacheConfig.{what} chooses among refinement's candidates; page_score='exact' and "
                              "stable_page_score='exact' rank without candidates. Use page_score='quest' or 'group_mean' "
                              "and stable_page_score=None.")
         if self.tail_estimate:
-            raise ValueError("FlexiCacheConfig.budget_mass does not combine with tail_estimate=True (the tail terms assume a "
+            raise ValueError(f"FlexiCacheConfig.{what} does not combine with tail_estimate=True (the tail terms assume a "
                              "full K-page selection); set tail_estimate=False.")
         for name in ("budget_mass_min_pages", "budget_mass_max_pages"):
             value = getattr(self, name)
@@ -225,15 +241,20 @@ class FlexiCacheConfig:
             )
 
     @property
+    def variable_pages(self) -> bool:
+        """Whether ranked heads hold a variable number of pages (`budget_mass` or `budget_split="mass"`)."""
+        return self.budget_mass is not None or self.budget_split == "mass"
+
+    @property
     def mass_min_pages(self) -> int:
-        """Floor of pages per ranked head under `budget_mass` (`budget_mass_min_pages` resolved: None -> max(1, K // 4))."""
+        """Floor of pages per ranked head with variable pages (`budget_mass_min_pages` resolved: None -> max(1, K // 4))."""
         if self.budget_mass_min_pages is not None:
             return self.budget_mass_min_pages
         return max(1, self.pages_per_head // 4)
 
     @property
     def mass_max_pages(self) -> int:
-        """Ceiling of pages per ranked head under `budget_mass` (None -> min(2 * K, the candidates))."""
+        """Ceiling of pages per ranked head with variable pages (None -> min(2 * K, the candidates))."""
         if self.budget_mass_max_pages is not None:
             return self.budget_mass_max_pages
         return min(2 * self.pages_per_head, self.candidate_pages)

@@ -34,11 +34,12 @@ _UNTIMED = nullcontext()
 
 
 class HeadGroup:
-    def __init__(self, kind: str, heads: list[int], cfg, timings: dict | None, workspace=None):
+    def __init__(self, kind: str, heads: list[int], cfg, timings: dict | None, workspace=None, split=None):
         self.kind = kind
         self.heads = heads
         self.cfg = cfg
-        self.selector = PageSelector(cfg, cfg.stable_page_score if kind == STABLE else None, workspace)
+        self.selector = PageSelector(cfg, cfg.stable_page_score if kind == STABLE else None, workspace, split)
+        self.split = split  # budget_split="mass": the cache's `MassSplit` (forgotten at a multi-token append)
         self.workspace = workspace  # the cache's gather buffers (kernels.GatherWorkspace), or None
         if kind == UNSTABLE:
             self.interval = cfg.unstable_rerank_interval
@@ -50,8 +51,9 @@ class HeadGroup:
         self.store: PagedKV | None = None
         self.head_index: torch.Tensor | None = None
         self.sel: torch.Tensor | None = None  # [N, <=K] pages chosen at the last ranking
-        # `budget_mass` (`fc_hf/budget_mass.py`): rows hold a variable number of pages, valid entries first, -1 after.
-        self.variable = cfg.budget_mass is not None and kind != STREAMING
+        # `budget_mass` / `budget_split="mass"` (`fc_hf/budget_mass.py`): rows hold a variable number of pages, valid
+        # entries first, -1 after.
+        self.variable = cfg.variable_pages and kind != STREAMING
         # Pages chosen at rankings (summed over rows; a tensor under `budget_mass`, no sync) and rows ranked; pages
         # attended over decode steps and row-steps: `FlexiCache.stats()` means.
         self.ranked_pages = 0
@@ -103,6 +105,8 @@ class HeadGroup:
         else:
             self.store.append(keys, values, heads=heads, backend=backend)
         self.rank_next = True
+        if self.split is not None:
+            self.split.reset()  # a new prompt or turn: the next first decode step measures the split again
         self._after_append = self.tiered
         self.pending = None
         self._pages_memo = self._slots_memo = self._checked_slots = None
@@ -514,6 +518,8 @@ class HeadGroup:
         row_map = self.store.select_rows(batch_index)
         if self.sel is not None:
             self.sel = self.sel[row_map]
+        if getattr(self.selector, "split_counts", None) is not None:
+            self.selector.split_counts = self.selector.split_counts[row_map]
         if self.pending is not None:
             self.pending = (self.pending[0][row_map], self.pending[1])
 

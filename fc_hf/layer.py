@@ -95,7 +95,8 @@ class FlexiCacheLayer(CacheLayerMixin):
             STABLE: sorted(set(range(self.num_kv_heads)) - unstable - streaming),
         }
         owner = self.owner
-        return [HeadGroup(kind, heads, self.cfg, owner.timings, owner.workspace) for kind, heads in kinds.items() if heads]
+        return [HeadGroup(kind, heads, self.cfg, owner.timings, owner.workspace, owner.mass_split if kind != STREAMING
+                          else None) for kind, heads in kinds.items() if heads]
 
     # -- transformers CacheLayerMixin ------------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -389,11 +390,11 @@ class FlexiCacheLayer(CacheLayerMixin):
         (`_attend_block`, one set of ops for their queries) are runs of >= 2 steps with no stable re-rank among them, where every group can attend so; the rest runs one step at a time, as plain decoding.
 
         Batched only where it is exact in semantics: PyTorch backend, one sequence without padding, no softcap, no
-        profile="auto", no `budget_mass`, no streaming heads, unstable groups ranked every step by the Quest bound
+        profile="auto", no variable pages, no streaming heads, unstable groups ranked every step by the Quest bound
         with refinement over more pages than its candidates (`HeadGroup.can_attend_block`)."""
         single = [(0, t, False)]
         if (not self.batched_verify or t < 2 or query.shape[0] != 1 or softcap is not None or self.owner.auto is not None
-                or not self.record_past or self.cfg.budget_mass is not None
+                or not self.record_past or self.cfg.variable_pages
                 or kernels.backend_for(query, self.cfg.backend) != "torch"
                 or not all(g.can_attend_block() for g in self.groups)):
             return single

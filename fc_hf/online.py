@@ -67,10 +67,10 @@ def check_auto_config(cfg) -> None:
             )
     if cfg.streaming_heads:
         raise ValueError('profile="auto" classifies every KV head; it does not combine with streaming_heads.')
-    if cfg.budget_mass is not None:
+    if cfg.variable_pages:
         raise ValueError('profile="auto" classifies heads from K-page selections (temporal stability compares top-K sets); '
-                         "it does not combine with budget_mass yet. Use a saved profile (HeadProfile.load) or "
-                         "profile=None with budget_mass.")
+                         "it does not combine with budget_mass or budget_split='mass' yet. Use a saved profile "
+                         "(HeadProfile.load) or profile=None with them.")
     if cfg.stable_page_score is not None and cfg.stable_page_score != cfg.page_score:
         raise ValueError(
             'profile="auto" hands stable heads the selection their warm-up ranking made (page_score); '

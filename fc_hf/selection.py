@@ -34,7 +34,7 @@ import math
 import torch
 
 from . import kernels
-from .budget_mass import choose_by_mass
+from .budget_mass import choose_by_mass, choose_counts
 from .config import PAGE_SCORES
 
 POS_INF = float("inf")
@@ -127,7 +127,7 @@ class PageSelector:
             table of positions past the sequence's end from it instead of building its own.
     """
 
-    def __init__(self, cfg, page_score: str | None = None, workspace=None):
+    def __init__(self, cfg, page_score: str | None = None, workspace=None, split=None):
         self.cfg = cfg
         self.workspace = workspace  # the cache's kernels.GatherWorkspace (shared per-step tables), or None
         self.k = cfg.pages_per_head
@@ -135,9 +135,13 @@ class PageSelector:
         self.how = page_score or cfg.page_score
         self.recent = cfg.recent_pages
         self.refine = cfg.candidate_pages
-        # `budget_mass`: a variable number of pages per row (`fc_hf/budget_mass.py`); None = K pages per row.
+        # `budget_mass` / `budget_split="mass"`: a variable number of pages per row (`fc_hf/budget_mass.py`); else K.
+        self.variable = cfg.variable_pages
         self.mass = cfg.budget_mass
-        self.floor = cfg.mass_min_pages if self.mass is not None else None
+        self.split = split  # budget_split="mass": the cache's `MassSplit`; it sets `split_counts` [rows] (None: K)
+        if split is not None:
+            split.join(self)
+        self.floor = cfg.mass_min_pages if self.variable else None
         # (chosen pages, their indices among the candidates, the candidates' logits [N, G, C, P]) of the last refined
         # ranking, for that step's attention (`take_logits`).
         self._chosen_logits: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
@@ -194,7 +198,7 @@ class PageSelector:
 
         `token_valid [B, L]` (optional): the padding mask, row n of the store being sequence n // `rows_per_batch`."""
         self._chosen_logits = None
-        if self.mass is not None:  # every page when the floor covers them all; else by mass (no -1 entries before)
+        if self.variable:  # every page when the floor covers them all; else by mass (no -1 entries before)
             if scores.shape[-1] <= self.floor:
                 return kernels.select_topk(scores, scores.shape[-1])
             return self._refine(query, store, scores, scaling, token_valid, rows_per_batch)
@@ -207,7 +211,7 @@ class PageSelector:
         # The candidates [N, C] and their scores (+inf: forced, kept first; -inf: all padding, kept last) in one op.
         cand_scores, cand = torch.topk(scores, min(self.refine, scores.shape[-1]), dim=-1, sorted=False)
         # `budget_mass` needs every candidate's own mass (forced ones too): the masses come without the forcing.
-        forced = cand_scores if self.mass is None else torch.zeros_like(cand_scores)
+        forced = cand_scores if not self.variable else torch.zeros_like(cand_scores)
         logits = None
         if kernels.backend_for(query, self.cfg.backend) == "triton":
             # Two launches read the candidates' keys in place and give their masses (kernels/refine.py).
@@ -227,10 +231,17 @@ class PageSelector:
                                                             token_valid, rows_per_batch, workspace=self.workspace)
             mass = kernels.torch_backend.mass_from_logits(logits, store.page_size, forced,
                                                           padded=token_valid is not None)
-        if self.mass is not None:
+        if self.variable:
             key = torch.where(torch.isinf(cand_scores), cand_scores, mass)
-            chosen, top, _ = choose_by_mass(cand, mass, key, self.mass, self.floor, self.cfg.mass_max_pages,
-                                            trim=not cand.is_cuda)
+            if self.mass is not None:
+                chosen, top, _ = choose_by_mass(cand, mass, key, self.mass, self.floor, self.cfg.mass_max_pages,
+                                                trim=not cand.is_cuda)
+            else:  # budget_split="mass": K each until every ranked group has reported its masses, then its split
+                counts = self.split_counts
+                if counts is None:
+                    counts = torch.full((cand.shape[0],), self.k, dtype=torch.long, device=cand.device)
+                    self.split.report(self, key, rows_per_batch)
+                chosen, top, _ = choose_counts(cand, key, counts, self.cfg.mass_max_pages, trim=not cand.is_cuda)
         else:
             top = torch.topk(mass, self.k, dim=-1).indices  # [N, K]
             chosen = cand.gather(1, top)
@@ -256,7 +267,7 @@ class PageSelector:
             return None
         _, top, logits = stash  # [N, K], [N, G, C, P]
         n, g, _, p = logits.shape
-        if self.mass is not None:  # `budget_mass`: -1 entries (past a row's count) are not attended
+        if self.variable:  # `budget_mass` / `budget_split`: -1 entries (past a row's count) are not attended
             unused = top < 0
             picked = logits.gather(2, top.clamp(min=0)[:, None, :, None].expand(n, g, top.shape[1], p))
             return picked.masked_fill(unused[:, None, :, None], NEG_INF).view(n, g, -1)
