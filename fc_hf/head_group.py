@@ -146,9 +146,11 @@ class HeadGroup:
     # -- selection -----------------------------------------------------------------------------
     def is_due(self, step: int) -> bool:
         """Whether this group ranks its pages at decode step `step` (1-based)."""
-        if self.kind == STREAMING:
-            return False
-        return self.rank_next or step == 1 or step % self.interval == 0
+        return self.kind != STREAMING and (self.rank_next or self.is_scheduled(step))
+
+    def is_scheduled(self, step: int) -> bool:
+        """Whether the schedule alone (not a `rank_next` set by an append) ranks at step `step`."""
+        return self.kind != STREAMING and (step == 1 or step % self.interval == 0)
 
     def _rank(self, query: torch.Tensor, page_valid: torch.Tensor | None, scaling: float,
               token_valid: torch.Tensor | None) -> torch.Tensor:

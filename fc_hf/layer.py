@@ -407,7 +407,7 @@ class FlexiCacheLayer(CacheLayerMixin):
         for j in range(t):
             step, length = self.steps + j + 1, self.length + j + 1
             pages = -(-length // p)
-            due = any((g.rank_next and j == 0) or step == 1 or step % g.interval == 0 for g in stable)
+            due = any((g.rank_next and j == 0) or g.is_scheduled(step) for g in stable)  # rank_next: first step only
             keys.append(None if due or pages < need else pages)
         plan, start = [], 0
         while start < t:
