@@ -60,7 +60,7 @@ from . import capacity, decode, memory, ops, paired, report, speculative
 __all__ = ["main", "SUITES"]
 
 SUITES = ("decode", "prefill", "batch", "rerank", "memory", "promotion", "ops", "paired", "capacity", "chunked-prefill",
-          "speculative", "speculative-check", "report")
+          "speculative", "speculative-check", "speculative-verify", "report")
 METHODS = decode.BENCH_METHODS  # dense, floor, quest, flexicache
 SUITE_RUNNERS = {
     "decode": decode.suite_decode,
@@ -75,6 +75,7 @@ SUITE_RUNNERS = {
     "chunked-prefill": capacity.suite_chunked_prefill,
     "speculative": speculative.suite_speculative,
     "speculative-check": speculative.suite_check,
+    "speculative-verify": speculative.suite_verify,
 }
 
 
@@ -160,6 +161,7 @@ def _parser() -> argparse.ArgumentParser:
                    "tv_show_summ,meeting_summ", help="speculative suites: L-Eval tasks, taken in turn")
     p.add_argument("--spec-shortest", type=float, default=0.75,
                    help="speculative suite: prompts shorter than this share of --spec-length are skipped")
+    p.add_argument("--verify-repeats", type=int, default=8, help="speculative-verify suite: timed runs per method and T")
     p.add_argument("--check-models", default="smollm2-135m-instruct,qwen2.5-coder-0.5b-instruct",
                    help="speculative-check suite: bundled models")
     p.add_argument("--check-assistant", default="smollm2-135m-instruct",
@@ -180,8 +182,9 @@ def main(argv: list[str] | None = None) -> int:
         return decode.worker(json.loads(argv[1]))
     if argv and argv[0] == "_ops_worker":
         return ops.worker(json.loads(argv[1]))
-    if argv and argv[0] in ("speculative_worker", "speculative_check_worker"):
-        worker = speculative.speed_worker if argv[0] == "speculative_worker" else speculative.check_worker
+    if argv and argv[0] in ("speculative_worker", "speculative_check_worker", "speculative_verify_worker"):
+        worker = {"speculative_worker": speculative.speed_worker, "speculative_check_worker": speculative.check_worker,
+                  "speculative_verify_worker": speculative.verify_worker}[argv[0]]
         worker(json.loads(argv[1]))
         return 0
     if argv and argv[0] in ("capacity_worker", "prefill_worker", "real_worker"):
@@ -201,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
                      ops_triton_prompt=136, capacity_shapes="tiny", capacity_cap="512", capacity_lengths="512,1024",
                      capacity_batches="1,2", capacity_chunk=128, capacity_budget=64, chunk_lengths="512", chunk_repeats=1,
                      chunk_decode_steps=4, spec_length="320", spec_prompts=2, spec_new=12, spec_lookup="4", spec_budget=64,
-                     check_prompts=2, check_length="320", check_new=12, check_budget=64)
+                     check_prompts=2, check_length="320", check_new=12, check_budget=64, verify_repeats=2)
         for key, value in smoke.items():
             if getattr(args, key) == parser.get_default(key):
                 setattr(args, key, value)

@@ -8,6 +8,10 @@ four; the ratios are read side by side. Decoding starts after the first forward 
 decoding also verifies the first candidates): decode tokens/s = tokens after it / seconds after it, and tokens per
 forward = those tokens / the forwards after it (accepted candidates + 1 per verification).
 
+`speculative-verify`: what one verification forward of T tokens (a draft of T - 1 and the last token) costs against
+one decode step, for dense and FlexiCache on one L-Eval prompt: median forward seconds over `--verify-repeats`
+alternating runs, each followed by `crop(-T)`, so every run starts from the same state.
+
 `speculative-check`: greedy generate with prompt lookup and with an assistant model gives exactly the tokens of
 plain greedy decoding with the same cache configuration: at `--check-budget` FlexiCache's own, at a budget holding
 every token dense's (`DynamicCache` + sdpa). The assistant is the model's own weights with dense attention, or
@@ -15,6 +19,7 @@ another bundled model (then transformers' universal assisted decoding, which tra
 
     flexicache bench speculative --out results/bench            # SmolLM2, L-Eval at 8k
     flexicache bench speculative-check --out results/bench      # SmolLM2 and Qwen2.5-0.5B, 20 prompts each
+    flexicache bench speculative-verify --out results/bench     # SmolLM2 at 8k, T = 1, 4, 11
     flexicache bench speculative speculative-check --smoke --out /tmp/b
 """
 
@@ -29,7 +34,7 @@ import torch
 
 from .common import build_model, environment, log, model_config, parse_sizes, run_worker, write_json
 
-__all__ = ["suite_speculative", "suite_check", "speed_worker", "check_worker"]
+__all__ = ["suite_speculative", "suite_check", "suite_verify", "speed_worker", "check_worker", "verify_worker"]
 
 SMOKE_MODEL = "tiny"  # random weights, synthetic prompts: the suites' code paths in seconds
 
@@ -251,6 +256,81 @@ def speed_table(rows: list[dict], spec: dict, env: dict) -> str:
         f"{'plain' if m == 'plain' else 'prompt lookup ' + m[len('lookup'):]} {ratio(f'flexicache/{m}', f'dense/{m}')}"
         for m in modes) + "."]
     return "\n".join(lines)
+
+
+# -- the cost of one verification ---------------------------------------------------------------------------------
+
+def verify_worker(spec: dict) -> None:
+    """Forward seconds of T tokens on a filled cache (then cropped back), per method and T, alternating."""
+    from fc_hf.compat import cache_kwargs
+    from fc_hf.eval.methods import prepare_model
+
+    if spec.get("threads"):
+        torch.set_num_threads(spec["threads"])
+    print(json.dumps({"environment": environment()}), flush=True)
+    model, tok = _load(spec["model"], "flexicache")
+    profile = _profile(spec["model"], model.config)
+    ids = torch.tensor([_prompts(tok, {**spec, "prompts": 1})[0]["ids"]])
+    n, sizes = ids.shape[1], [1] + [k + 1 for k in spec["lookup"]]
+    caches = {}
+    with torch.no_grad():
+        for method in METHODS:
+            prepare_model(model, "dense" if method == "dense" else "flexicache")
+            cache = _cache(method, model, spec["budget"], profile)
+            kw = cache_kwargs(model, cache)
+            token = model(input_ids=ids, use_cache=True, logits_to_keep=1, **kw).logits[:, -1:].argmax(-1)
+            for pos in range(n, n + 8):  # a few plain steps first: the first ranking and its promotions are done
+                out = model(input_ids=token, use_cache=True, cache_position=torch.tensor([pos]), logits_to_keep=1, **kw)
+                token = out.logits[:, -1:].argmax(-1)
+            if method != "dense":
+                cache.prompt_end = n  # what transformers' assisted loop tells the cache (fc_hf/speculative.py)
+                cache.activate_past_recording()
+            caches[method] = (cache, kw)
+        for rep in range(spec["repeats"] + 1):  # the first round is a warm-up: not printed
+            for method in METHODS if rep % 2 == 0 else METHODS[::-1]:
+                prepare_model(model, "dense" if method == "dense" else "flexicache")
+                cache, kw = caches[method]
+                pos = cache.get_seq_length()
+                for t in sizes:
+                    start = time.perf_counter()
+                    model(input_ids=ids[:, 100:100 + t], use_cache=True, cache_position=torch.arange(pos, pos + t),
+                          logits_to_keep=t, **kw)
+                    seconds = time.perf_counter() - start
+                    cache.crop(-t)
+                    if rep:
+                        print(json.dumps({"method": method, "tokens": t, "seconds": seconds, "prompt_tokens": n}),
+                              flush=True)
+
+
+def suite_verify(args, out: Path) -> None:
+    """`flexicache bench speculative-verify`: writes `<out>/speculative_verify.json` and `.md`."""
+    spec = {"model": SMOKE_MODEL if args.smoke else args.spec_model, "length": parse_sizes(args.spec_length)[0],
+            "new": args.spec_new, "budget": args.spec_budget, "data": args.spec_data, "threads": args.threads,
+            "lookup": [int(k) for k in str(args.spec_lookup).split(",")], "repeats": args.verify_repeats,
+            "tasks": [t for t in args.spec_tasks.split(",") if t], "shortest": args.spec_shortest}
+    log(f"speculative-verify: {spec['model']}, one prompt of <= {spec['length']} tokens, T = 1 and lookup + 1")
+    rows, rc = run_worker("speculative_verify_worker", spec, args.timeout)
+    env = next((r["environment"] for r in rows if "environment" in r), environment())
+    rows = [r for r in rows if "environment" not in r]
+    write_json(out / "speculative_verify.json", {"environment": env, "spec": spec, "rc": rc, "rows": rows})
+
+    def median(method, t):
+        vals = [r["seconds"] for r in rows if r["method"] == method and r["tokens"] == t]
+        return statistics.median(vals) if vals else float("nan")
+
+    sizes = sorted({r["tokens"] for r in rows})
+    length = rows[0]["prompt_tokens"] if rows else 0
+    lines = [f"{spec['model']}, one forward of T tokens on a cache holding {length} tokens (then cropped back), median of "
+             f"{spec['repeats']} alternating runs; FlexiCache budget {spec['budget']} with its head profile; "
+             f"{env.get('cpus')} CPUs, {env.get('torch_threads')} torch threads. T = 1 is a plain decode step; T = k + 1 "
+             "verifies k drafts.", "",
+             "| T | dense ms | FlexiCache ms | dense: / step | FlexiCache: / step | FlexiCache / dense |", "|---|---|---|---|---|---|"]
+    for t in sizes:
+        d, f = median("dense", t), median("flexicache", t)
+        lines.append(f"| {t} | {d * 1e3:.1f} | {f * 1e3:.1f} | {d / median('dense', 1):.2f} | "
+                     f"{f / median('flexicache', 1):.2f} | {f / d:.2f} |")
+    (out / "speculative_verify.md").write_text("\n".join(lines) + "\n")
+    log(f"speculative-verify: wrote {out / 'speculative_verify.md'}")
 
 
 # -- tokens -------------------------------------------------------------------------------------------------------
