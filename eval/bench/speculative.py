@@ -158,13 +158,34 @@ def _cases(spec: dict) -> list[str]:
     return [f"{m}/{mode}" for m in METHODS for mode in ["plain"] + [f"lookup{k}" for k in spec["lookup"]]]
 
 
-def speed_worker(spec: dict) -> None:
-    """Every prompt through every case, alternating; one JSON line per run."""
+def _start_worker(spec: dict):
+    """A speed worker's start: its threads, its environment line, the model, tokenizer and head profile."""
     if spec.get("threads"):
         torch.set_num_threads(spec["threads"])
     print(json.dumps({"environment": environment()}), flush=True)
     model, tok = _load(spec["model"], "flexicache")
-    profile = _profile(spec["model"], model.config)
+    return model, tok, _profile(spec["model"], model.config)
+
+
+def _speed_spec(args) -> dict:
+    """The spec of the speed suites (`speculative`, `speculative-verify`) from the command line."""
+    return {"model": SMOKE_MODEL if args.smoke else args.spec_model, "length": parse_sizes(args.spec_length)[0],
+            "prompts": args.spec_prompts, "new": args.spec_new, "budget": args.spec_budget, "data": args.spec_data,
+            "lookup": [int(k) for k in str(args.spec_lookup).split(",")], "threads": args.threads,
+            "tasks": [t for t in args.spec_tasks.split(",") if t], "shortest": args.spec_shortest,
+            "repeats": args.verify_repeats}
+
+
+def _worker_rows(entry: str, spec: dict, timeout: int) -> tuple[list[dict], dict, int | str]:
+    """`run_worker`'s rows without the environment line, that environment, and the return code."""
+    rows, rc = run_worker(entry, spec, timeout)
+    env = next((r["environment"] for r in rows if "environment" in r), environment())
+    return [r for r in rows if "environment" not in r], env, rc
+
+
+def speed_worker(spec: dict) -> None:
+    """Every prompt through every case, alternating; one JSON line per run."""
+    model, tok, profile = _start_worker(spec)
     prompts = _prompts(tok, spec)
     cases = _cases(spec)
     warm = torch.tensor([prompts[0]["ids"][:128]])
@@ -193,15 +214,10 @@ def _run_case(model, ids, case: str, new: int, spec: dict, profile) -> dict:
 
 def suite_speculative(args, out: Path) -> None:
     """`flexicache bench speculative`: writes `<out>/speculative.json` and `.md`."""
-    spec = {"model": SMOKE_MODEL if args.smoke else args.spec_model, "length": parse_sizes(args.spec_length)[0],
-            "prompts": args.spec_prompts, "new": args.spec_new, "budget": args.spec_budget, "data": args.spec_data,
-            "lookup": [int(k) for k in str(args.spec_lookup).split(",")], "threads": args.threads,
-            "tasks": [t for t in args.spec_tasks.split(",") if t], "shortest": args.spec_shortest}
+    spec = _speed_spec(args)
     log(f"speculative: {spec['model']}, {spec['prompts']} prompts of <= {spec['length']} tokens, {spec['new']} new, "
         f"prompt lookup {spec['lookup']}, budget {spec['budget']}")
-    rows, rc = run_worker("speculative_worker", spec, args.timeout)
-    env = next((r["environment"] for r in rows if "environment" in r), environment())
-    rows = [r for r in rows if "environment" not in r]
+    rows, env, rc = _worker_rows("speculative_worker", spec, args.timeout)
     write_json(out / "speculative.json", {"environment": env, "environment_end": environment(), "spec": spec,
                                           "rc": rc, "rows": rows})
     (out / "speculative.md").write_text(speed_table(rows, spec, env) + "\n")
@@ -265,11 +281,7 @@ def verify_worker(spec: dict) -> None:
     from fc_hf.compat import cache_kwargs
     from fc_hf.eval.methods import prepare_model
 
-    if spec.get("threads"):
-        torch.set_num_threads(spec["threads"])
-    print(json.dumps({"environment": environment()}), flush=True)
-    model, tok = _load(spec["model"], "flexicache")
-    profile = _profile(spec["model"], model.config)
+    model, tok, profile = _start_worker(spec)
     ids = torch.tensor([_prompts(tok, {**spec, "prompts": 1})[0]["ids"]])
     n, sizes = ids.shape[1], [1] + [k + 1 for k in spec["lookup"]]
     caches = {}
@@ -304,14 +316,9 @@ def verify_worker(spec: dict) -> None:
 
 def suite_verify(args, out: Path) -> None:
     """`flexicache bench speculative-verify`: writes `<out>/speculative_verify.json` and `.md`."""
-    spec = {"model": SMOKE_MODEL if args.smoke else args.spec_model, "length": parse_sizes(args.spec_length)[0],
-            "new": args.spec_new, "budget": args.spec_budget, "data": args.spec_data, "threads": args.threads,
-            "lookup": [int(k) for k in str(args.spec_lookup).split(",")], "repeats": args.verify_repeats,
-            "tasks": [t for t in args.spec_tasks.split(",") if t], "shortest": args.spec_shortest}
+    spec = _speed_spec(args)
     log(f"speculative-verify: {spec['model']}, one prompt of <= {spec['length']} tokens, T = 1 and lookup + 1")
-    rows, rc = run_worker("speculative_verify_worker", spec, args.timeout)
-    env = next((r["environment"] for r in rows if "environment" in r), environment())
-    rows = [r for r in rows if "environment" not in r]
+    rows, env, rc = _worker_rows("speculative_verify_worker", spec, args.timeout)
     write_json(out / "speculative_verify.json", {"environment": env, "spec": spec, "rc": rc, "rows": rows})
 
     def median(method, t):
