@@ -69,8 +69,8 @@ def choose_counts(cand: torch.Tensor, key: torch.Tensor, counts: torch.Tensor, h
     """`counts [N]` candidates per row by descending `key` (forced ones, at +inf, first), as `choose_by_mass` returns
     them; a row's count is raised to its forced candidates and cut to the candidates (`budget_split="mass"`)."""
     c = cand.shape[1]
-    key_sorted, order = torch.sort(key, dim=1, descending=True, stable=True)
-    counts = torch.maximum(counts.to(cand.device), torch.isposinf(key_sorted).sum(1)).clamp(max=c)
+    order = torch.sort(key, dim=1, descending=True, stable=True).indices
+    counts = torch.maximum(counts.to(cand.device), torch.isposinf(key).sum(1)).clamp(max=c)
     return _take(cand, order, counts, min(hi, c), trim)
 
 

@@ -39,7 +39,6 @@ class HeadGroup:
         self.heads = heads
         self.cfg = cfg
         self.selector = PageSelector(cfg, cfg.stable_page_score if kind == STABLE else None, workspace, split)
-        self.split = split  # budget_split="mass": the cache's `MassSplit` (forgotten at a multi-token append)
         self.workspace = workspace  # the cache's gather buffers (kernels.GatherWorkspace), or None
         if kind == UNSTABLE:
             self.interval = cfg.unstable_rerank_interval
@@ -105,8 +104,8 @@ class HeadGroup:
         else:
             self.store.append(keys, values, heads=heads, backend=backend)
         self.rank_next = True
-        if self.split is not None:
-            self.split.reset()  # a new prompt or turn: the next first decode step measures the split again
+        if self.selector.split is not None:  # budget_split="mass": the next first decode step measures it again
+            self.selector.split.reset()
         self._after_append = self.tiered
         self.pending = None
         self._pages_memo = self._slots_memo = self._checked_slots = None
@@ -520,7 +519,7 @@ class HeadGroup:
         row_map = self.store.select_rows(batch_index)
         if self.sel is not None:
             self.sel = self.sel[row_map]
-        if getattr(self.selector, "split_counts", None) is not None:
+        if self.selector.split is not None and self.selector.split_counts is not None:
             self.selector.split_counts = self.selector.split_counts[row_map]
         if self.pending is not None:
             self.pending = (self.pending[0][row_map], self.pending[1])
