@@ -287,7 +287,7 @@ def verify_worker(spec: dict) -> None:
     caches = {}
     with torch.no_grad():
         for method in METHODS:
-            prepare_model(model, "dense" if method == "dense" else "flexicache")
+            prepare_model(model, method)
             cache = _cache(method, model, spec["budget"], profile)
             kw = cache_kwargs(model, cache)
             token = model(input_ids=ids, use_cache=True, logits_to_keep=1, **kw).logits[:, -1:].argmax(-1)
@@ -300,7 +300,7 @@ def verify_worker(spec: dict) -> None:
             caches[method] = (cache, kw)
         for rep in range(spec["repeats"] + 1):  # the first round is a warm-up: not printed
             for method in METHODS if rep % 2 == 0 else METHODS[::-1]:
-                prepare_model(model, "dense" if method == "dense" else "flexicache")
+                prepare_model(model, method)
                 cache, kw = caches[method]
                 pos = cache.get_seq_length()
                 for t in sizes:
