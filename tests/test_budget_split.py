@@ -58,7 +58,7 @@ def _allocate_bruteforce(reports, k, lo, hi):
 def test_allocation_matches_bruteforce(seed):
     g = torch.Generator().manual_seed(seed)
     batch, c = 2, int(torch.randint(4, 12, (1,), generator=g))
-    k, lo, hi = int(torch.randint(2, c, (1,), generator=g)), int(torch.randint(1, 3, (1,), generator=g)), None
+    k, lo = int(torch.randint(2, c, (1,), generator=g)), int(torch.randint(1, 3, (1,), generator=g))
     hi = int(torch.randint(k, c + 3, (1,), generator=g))
     reports = {}
     for i, heads in enumerate([1, 2, 3][: int(torch.randint(1, 4, (1,), generator=g))]):
@@ -169,7 +169,7 @@ def test_a_new_prompt_measures_the_split_again():
     cache = FlexiCache(model.config, _config(), None)
     ids, mask = left_padded_batch(1, 80)
     _, mask = _decode(model, cache, ids, mask, 2)
-    first = [m.split_counts.tolist() for m in cache.mass_split.members]
+    assert all(m.split_counts is not None for m in cache.mass_split.members)  # measured at the first step
     turn = left_padded_batch(1, 40, seed=3)[0]
     with torch.no_grad():
         model(input_ids=turn, attention_mask=torch.cat([mask, torch.ones_like(turn)], 1), past_key_values=cache,
@@ -177,7 +177,9 @@ def test_a_new_prompt_measures_the_split_again():
     assert all(m.split_counts is None for m in cache.mass_split.members)  # forgotten by the turn
     _decode(model, cache, turn[:, -1:], torch.ones(1, cache.get_seq_length() + 1, dtype=torch.long), 1)
     again = [m.split_counts for m in cache.mass_split.members]
-    assert all(c is not None for c in again) and first is not None
+    assert all(c is not None for c in again)  # measured again at the turn's first step
+    heads = sum(len(g.heads) for g in _groups(cache))
+    assert sum(int(c.sum()) for c in again) == cache.cache_config.pages_per_head * heads
 
 
 def test_even_split_runs_no_split_code():
