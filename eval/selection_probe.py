@@ -41,10 +41,11 @@ class Policy:
     recent_pages: int = 0
     tail: bool = False  # add mean-key/mean-value estimates of unselected pages to the softmax
     refine: int = 0  # candidate pages re-scored exactly (FlexiCacheConfig.refine_pages)
+    mass: float | None = None  # FlexiCacheConfig.budget_mass: the fewest candidates reaching this mass (floor K/4, ceiling 2K)
 
     def config_options(self) -> dict:
         return {"page_score": self.page_score, "score_subpages": self.subpages, "recent_pages": self.recent_pages,
-                "tail_estimate": self.tail, "refine_pages": self.refine}
+                "tail_estimate": self.tail, "refine_pages": self.refine, "budget_mass": self.mass}
 
 
 DEFAULT_POLICIES = (
@@ -62,6 +63,7 @@ DEFAULT_POLICIES = (
     Policy("quest +tail", tail=True),
     Policy("group_mean sub2 +tail", page_score="group_mean", subpages=2, tail=True),
     Policy("oracle", page_score="oracle"),
+    Policy("quest sub2 refine 2K mass 0.95", subpages=2, refine=128, mass=0.95),  # budget_mass=0.95
 )
 
 
@@ -117,7 +119,8 @@ def probe_layer(
         policies: `Policy` objects.
 
     Returns:
-        `dict[str, dict[str, Tensor]]`: per policy, `mass_mean`/`mass_min` `[H, T]`, `out_err` `[H, T]`.
+        `dict[str, dict[str, Tensor]]`: per policy, `mass_mean`/`mass_min` `[H, T]`, `out_err` `[H, T]`, `pages` `[H, T]`
+        (pages selected: K, or under a `mass` policy the row's own count).
     """
     h, g, t, d = query.shape
     k_pages = budget // page_size
@@ -173,15 +176,20 @@ def probe_layer(
         scores = scores.masked_fill(~full[None], NEG_INF).masked_fill(base_forced[None], POS_INF)
         scores = scores.masked_fill(~exists[None], NEG_INF)
         kk = min(k_pages, num_pages)
-        if pol.refine and pol.refine > kk:
+        if pol.mass is not None:
+            if not pol.refine:
+                raise ValueError(f"policy {pol.name!r}: a mass policy chooses among refinement's candidates (set refine)")
+            sel = _mass_selection(scores, page_mass.mean(1), pol, k_pages, page_size)
+        elif pol.refine and pol.refine > kk:
             # Candidates by score, then the K with the most true mass among them (forced pages kept).
             cand = torch.topk(scores, min(pol.refine, num_pages), dim=-1).indices
             exact = page_mass.mean(1).gather(-1, cand)
             exact = exact.masked_fill(torch.isposinf(scores.gather(-1, cand)), POS_INF)
             exact = exact.masked_fill(torch.isneginf(scores.gather(-1, cand)), NEG_INF)
             scores = torch.full_like(scores, NEG_INF).scatter_(-1, cand, exact)
-        top = torch.topk(scores, kk, dim=-1).indices  # [H, T, K]
-        sel = torch.zeros(h, t, num_pages, dtype=torch.bool).scatter_(-1, top, True) & exists[None]
+        if pol.mass is None:
+            top = torch.topk(scores, kk, dim=-1).indices  # [H, T, K]
+            sel = torch.zeros(h, t, num_pages, dtype=torch.bool).scatter_(-1, top, True) & exists[None]
         sel_g = sel[:, None].expand(h, g, t, num_pages)
         captured = (page_mass * sel_g).sum(-1)  # [H, G, T]
         num = (page_out * sel_g[..., None]).sum(3)
@@ -194,8 +202,33 @@ def probe_layer(
             den = den + est.sum(-1, keepdim=True)
         approx = num / den.clamp_min(1e-30)
         err = (approx - dense_out).norm(dim=-1) / dense_out.norm(dim=-1).clamp_min(1e-30)
-        out[pol.name] = {"mass_mean": captured.mean(1), "mass_min": captured.amin(1), "out_err": err.mean(1)}
+        out[pol.name] = {"mass_mean": captured.mean(1), "mass_min": captured.amin(1), "out_err": err.mean(1),
+                         "pages": sel.sum(-1).float()}
     return out
+
+
+def _mass_selection(scores: torch.Tensor, true_mass: torch.Tensor, pol: Policy, k_pages: int,
+                    page_size: int) -> torch.Tensor:
+    """`budget_mass` as the cache runs it (`fc_hf.budget_mass.choose_by_mass`): the top-`refine` candidates by score,
+    each one's exact mass among the candidates, the fewest reaching `pol.mass` (forced pages first), clamped to
+    `FlexiCacheConfig`'s floor and ceiling (K/4 and 2K by default). `scores`, `true_mass` `[H, T, Np]` -> a boolean
+    selection."""
+    from fc_hf.budget_mass import choose_by_mass
+    from fc_hf.config import FlexiCacheConfig
+
+    cfg = FlexiCacheConfig(token_budget=k_pages * page_size, page_size=page_size, refine_pages=pol.refine,
+                           budget_mass=pol.mass)
+
+    h, t, num_pages = scores.shape
+    cand_scores, cand = torch.topk(scores.reshape(h * t, num_pages), min(pol.refine, num_pages), dim=-1)
+    mass = true_mass.reshape(h * t, num_pages).gather(1, cand)
+    mass = mass / mass.sum(1, keepdim=True).clamp_min(1e-30)  # mass among the candidates, as refinement has it
+    mass = mass.masked_fill(torch.isneginf(cand_scores), 0.0)
+    key = torch.where(torch.isinf(cand_scores), cand_scores, mass)
+    chosen, _, _ = choose_by_mass(cand, mass, key, pol.mass, cfg.mass_min_pages, cfg.mass_max_pages, trim=False)
+    sel = torch.zeros(h * t, num_pages + 1, dtype=torch.bool)
+    sel.scatter_(1, chosen.masked_fill(chosen < 0, num_pages), True)  # -1 entries land in a spare column
+    return sel[:, :num_pages].view(h, t, num_pages)
 
 
 def bytes_per_step(policy: Policy, context: int, page_size: int, budget: int, head_dim: int, itemsize: int) -> dict:
@@ -270,6 +303,13 @@ def format_table(totals: ProbeTotals, policies, context: int, page_size: int, bu
         lines += ["", "| layer | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
         for layer in range(totals.layers):
             lines.append(f"| {layer} | " + " | ".join(f"{totals.mean(n, 'mass_mean', layer):.3f}" for n in names) + " |")
+        varied = [p.name for p in policies if p.mass is not None]
+        if varied:  # where a mass policy spends its pages, next to the fixed budget's K
+            lines += ["", f"Pages per KV head and position (fixed policies: {budget // page_size})", "",
+                      "| layer | " + " | ".join(varied) + " |", "|---" * (len(varied) + 1) + "|"]
+            for layer in range(totals.layers):
+                lines.append(f"| {layer} | " + " | ".join(f"{totals.mean(n, 'pages', layer):.1f}" for n in varied) + " |")
+            lines.append("| all | " + " | ".join(f"{totals.mean(n, 'pages'):.1f}" for n in varied) + " |")
     return "\n".join(lines)
 
 
