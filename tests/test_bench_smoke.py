@@ -85,6 +85,20 @@ def test_paired_suite_interleaves_floor_and_flexicache(tmp_path):
     assert "| tiny | 320 | 2 | 64 | 4 |" in (out / "paired.md").read_text()
 
 
+def test_paired_suite_times_a_variant_against_flexicache(tmp_path):
+    """`--paired-variant`: both sides FlexiCache over the whole context, the second with the fields on top."""
+    out = tmp_path / "bench"
+    rc = bench.main(["paired", "--smoke", "--lengths", "320", "--batches", "2", "--budgets", "64", "--steps", "4",
+                     "--paired-variant", "budget_split=mass", "--out", str(out)])
+    assert rc == 0
+    (r,) = json.loads((out / "paired.json").read_text())["results"]
+    assert r["variant"] == {"budget_split": "mass"} and "floor_ms" not in r
+    assert len(r["flexicache_ms"]) == len(r["variant_ms"]) == 4
+    assert r["ratio_of_means"] == pytest.approx(sum(r["variant_ms"]) / sum(r["flexicache_ms"]))
+    text = (out / "paired.md").read_text()
+    assert "variant median / mean (ms)" in text and "budget_split=mass" in text
+
+
 def test_paired_case_runs_each_cache_at_its_own_context(monkeypatch):
     """The floor decodes after `budget` tokens, FlexiCache after `length`, alternately (ABBA), each step's position
     following its own cache."""

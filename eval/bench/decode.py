@@ -166,7 +166,7 @@ def worker(spec: dict) -> int:
             from .paired import paired_case
 
             res = paired_case(model, config, case["budget"], case["length"], case["batch"], spec["steps"], profile,
-                              options=case.get("options"))
+                              options=case.get("options"), variant=case.get("paired_variant"))
         else:
             res = decode_case(model, config, case["method"], case["budget"], case["length"], case["batch"],
                               spec["steps"], profile, options=case.get("options"))
