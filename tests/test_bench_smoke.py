@@ -85,7 +85,7 @@ def test_paired_suite_interleaves_floor_and_flexicache(tmp_path):
     assert "| tiny | 320 | 2 | 64 | 4 |" in (out / "paired.md").read_text()
 
 
-def test_paired_suite_times_a_variant_against_flexicache(tmp_path):
+def test_paired_suite_times_a_variant_against_flexicache(tmp_path, capsys):
     """`--paired-variant`: both sides FlexiCache over the whole context, the second with the fields on top."""
     out = tmp_path / "bench"
     rc = bench.main(["paired", "--smoke", "--lengths", "320", "--batches", "2", "--budgets", "64", "--steps", "4",
@@ -93,6 +93,7 @@ def test_paired_suite_times_a_variant_against_flexicache(tmp_path):
     assert rc == 0
     (r,) = json.loads((out / "paired.json").read_text())["results"]
     assert r["variant"] == {"budget_split": "mass"} and "floor_ms" not in r
+    assert "the worker ended" not in capsys.readouterr().err  # the worker's own log line knows the sides too
     assert len(r["flexicache_ms"]) == len(r["variant_ms"]) == 4
     assert r["ratio_of_means"] == pytest.approx(sum(r["variant_ms"]) / sum(r["flexicache_ms"]))
     text = (out / "paired.md").read_text()

@@ -178,7 +178,8 @@ def worker(spec: dict) -> int:
         if "step_ms_mean" in res:
             what = f"{res['step_ms_mean']:.1f} ms/step ({res['tok_s']:.2f} tok/s)"
         elif "ratio_of_medians" in res:
-            what = (f"floor {res['floor_median_ms']:.1f}, flexicache {res['flexicache_median_ms']:.1f} ms/step "
+            a, b = ("floor", "flexicache") if "floor_median_ms" in res else ("flexicache", "variant")
+            what = (f"{a} {res[a + '_median_ms']:.1f}, {b} {res[b + '_median_ms']:.1f} ms/step "
                     f"(medians; ratio {res['ratio_of_medians']:.2f})")
         else:
             what = f"prefill {res['prefill_s']:.2f} s"
