@@ -19,13 +19,15 @@ device sync per ranking); a row's count is its number of entries >= 0. Chosen ov
 - buckets (groups of rows by size) would split a group's one launch into several and re-split at every ranking;
   ragged (CSR) lists would need new kernels and a new tier plan.
 Cost of padded entries: the Triton decode kernel takes per-row counts (valid entries first) and stops each row at its
-count, so padded entries cost nothing there. The PyTorch path gathers and masks up to the group's widest row (entries
-past a row's count point at the null block); that is why the width is trimmed to the widest row on the CPU.
+count, so padded entries cost nothing there. The PyTorch path reads (or gathers) and masks up to the group's widest
+row (-1 entries point at the null block); that is why the width is trimmed to the widest row on the CPU.
 
-What differs from the fixed budget (K pages) path, only when `budget_mass` is set: the decode's page lists carry -1
-entries (so the PyTorch path masks by `token_mask`, not the in-range bias table), a stable group's PyTorch path
-gathers its pages each step instead of reading them in place (`PagedKV.arrange_rows` needs full rows), and a group
-that ranks may hold more than K pages. With `budget_mass=None` none of this code runs.
+What differs from the fixed budget (K pages) path, only with variable pages (`budget_mass` or `budget_split="mass"`):
+the decode's page lists carry -1 entries (so the PyTorch path masks by `token_mask`, not the in-range bias table;
+there a ranking's list keeps its -1 entries before the pages opened since, the order of the in-place layout, whose
+-1 positions are zero pages outside the table: `PagedKV.arrange_rows(holes=True)`; the Triton path gets valid
+entries first and per-row counts), and a group that ranks may hold more than K pages. Without them none of this
+code runs.
 """
 
 from __future__ import annotations

@@ -167,7 +167,7 @@ class HeadGroup:
         self, step: int, query: torch.Tensor, page_valid: torch.Tensor | None, scaling: float = 1.0,
         token_valid: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Logical pages `[N, M]` this group attends to at decode step `step` (never -1: all exist and are resident)."""
+        """Logical pages `[N, M]` this group attends to at decode step `step` (all exist and are resident; -1 entries only with variable pages)."""
         if self.pending is not None:
             self._apply(*self.pending)
             self.pending = None
@@ -204,13 +204,17 @@ class HeadGroup:
             return memo[4]
         if self.sel is None:  # right after prefill: everything is resident
             pages = torch.arange(store.num_pages, device=store.device).expand(store.rows, store.num_pages)
-        elif self.variable:  # valid entries first (the Triton kernel stops at each row's count)
+        elif self.variable and not self._torch_path():  # valid entries first (the Triton kernel stops at each row's count)
             pages = with_pages_since(self.sel, self.pages_at_rank, store.num_pages)
-        else:
+        else:  # the PyTorch path masks -1 entries wherever they are: the order of the in-place layout
             since = torch.arange(self.pages_at_rank, store.num_pages, device=store.device)
             pages = torch.cat([self.sel, since.expand(store.rows, since.numel())], dim=1)
         self._pages_memo = (self.sel, self.pages_at_rank, store.num_pages, store.rows, pages)
         return pages
+
+    def _torch_path(self) -> bool:
+        """Whether this group's attention runs on the PyTorch backend (where its pages may be read in place)."""
+        return kernels.backend_for(self.store.k_pool, self.cfg.backend) == "torch"
 
     def _slots_for(self, pages: torch.Tensor) -> torch.Tensor:
         """Device slots of `pages`; the same pages object under an unchanged table gives the same slots."""
@@ -250,12 +254,11 @@ class HeadGroup:
             self.promoted_fractions.append(promoted / max(1, chosen))
         self._after_append = False
         headroom = compaction_headroom(store, self.interval)
-        if (pages_at_rank == store.num_pages and not self.variable
-                and kernels.backend_for(store.k_pool, self.cfg.backend) == "torch"):
+        if pages_at_rank == store.num_pages and self._torch_path():
             # The PyTorch attention reads the pages in place until the next ranking (no gather per step); the
-            # layout is also the compaction (a pool of the resident pages plus the headroom). Not under `budget_mass`:
-            # the layout needs every row full (its -1 entries would have no place); those pages are gathered.
-            store.arrange_rows(new_sel, headroom // store.rows)
+            # layout is also the compaction (a pool of the resident pages plus the headroom). With variable pages a
+            # row's -1 entries keep their place in it as zero pages, masked by the attention (`_resident_pages`).
+            store.arrange_rows(new_sel, headroom // store.rows, holes=self.variable)
             self.compacted = True
         elif not self.compacted:
             # After the first drop, give the freed device memory back.
@@ -297,9 +300,12 @@ class HeadGroup:
                 tail = tail_terms(query, store.page_means, pages, store.full_pages, store.page_size, scaling,
                                   page_valid, softcap)
             counts = None
-            if self.variable:  # per-row counts: the Triton kernel stops each row there, the PyTorch path masks
+            if self.variable:  # per-row counts: the Triton kernel stops each row there; the PyTorch path masks the
+                # -1 entries wherever they are (after a ranking's pages come the pages opened since: `_resident_pages`)
                 counts = entry_counts(pages)
                 self.read_pages = self.read_pages + counts.sum()
+                if not triton:
+                    counts = None
             else:
                 self.read_pages += pages.numel()
             self.read_rows += pages.shape[0]

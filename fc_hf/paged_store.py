@@ -251,11 +251,13 @@ class PagedKV:
         self.free = torch.arange(1 + count, 1 + count + spare, device=self.device).flip(0)
         self.n_free = spare
 
-    def arrange_rows(self, pages: torch.Tensor, headroom: int) -> None:
+    def arrange_rows(self, pages: torch.Tensor, headroom: int, holes: bool = False) -> None:
         """Lay the resident pages out row by row, so that they are read in place instead of gathered.
 
         `pages [N, M]` must be exactly the resident pages (each row's, each once: a tiered group right after its
-        tier move). Row r's page `pages[r, j]` moves to slot `1 + r * W + j` (`W = M + headroom`), and the free
+        tier move). With `holes` (`budget_mass`: rows of fewer pages, valid entries first, -1 after) a -1 entry keeps
+        its position as a zero page outside the table, for the reader to mask, and its slot goes to the bottom of the
+        free stack. Row r's page `pages[r, j]` moves to slot `1 + r * W + j` (`W = M + headroom`), and the free
         stack becomes each row's next positions, first `M` for every row, so the pages opened until the next
         ranking (one per row at a time) continue the rows. While that holds (`row_layout`; any other slot move
         clears it), `row_view` gives the K/V of `pages` plus the pages opened since as views of the pools, in that
@@ -266,7 +268,8 @@ class PagedKV:
         n, m = pages.shape
         width = m + headroom
         need = 1 + n * width
-        old = self.slots_for(pages)
+        empty = pages < 0
+        old = self.table.gather(1, pages.clamp(min=0)).masked_fill_(empty, 0)  # -1: the (all-zero) null block
         keys, values = gather_pages(self.k_pool, old), gather_pages(self.v_pool, old)  # copies
         if self.k_pool.shape[0] != need:
             self._set_pools(self.k_pool.new_zeros(need, *self.k_pool.shape[1:]),
@@ -274,10 +277,15 @@ class PagedKV:
         self.k_pool[1:].view(n, width, *self.k_pool.shape[1:])[:, :m] = keys
         self.v_pool[1:].view(n, width, *self.v_pool.shape[1:])[:, :m] = values
         base = 1 + torch.arange(n, device=self.device)[:, None] * width  # [N, 1]
-        self.table.scatter_(1, pages, base + torch.arange(m, device=self.device))
+        new = base + torch.arange(m, device=self.device)
+        # A -1 entry writes its row's first entry again (rows are valid first, so that one is a page): no -1 index
+        # (the table's last column) and no host sync to find them.
+        self.table.scatter_(1, torch.where(empty, pages[:, :1], pages), torch.where(empty, new[:, :1], new))
         self.table_changed()
         # Stack top (the end) = position m of rows 0..N-1, below it position m + 1, ...
         self.free = (base.view(1, n) + torch.arange(width - 1, m - 1, -1, device=self.device)[:, None]).reshape(-1)
+        if holes:  # taken only once the rows' continuations are used up (which ends the layout anyway)
+            self.free = torch.cat([new[empty], self.free])
         self.n_free = self.free.numel()
         self.row_layout = {"pages": pages, "width": width, "used": m}
 

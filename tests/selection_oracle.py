@@ -220,7 +220,11 @@ def _check_group(cache, cfg, group, state, log, layer, step, query, out, valid, 
     new_sel = None
     variable = cfg.budget_mass is not None and group.kind != STREAMING
     if variable:
-        read = [valid_entries(r, f"read {where} row {n}") for n, r in enumerate(read)]
+        # The Triton kernel needs valid entries first (it stops at each row's count); the PyTorch path masks -1 entries
+        # wherever they are (a ranking's list, then the pages opened since: its in-place layout's order).
+        torch_path = group.kind != STREAMING and group._torch_path()
+        read = [[x for x in r if x >= 0] if torch_path else valid_entries(r, f"read {where} row {n}")
+                for n, r in enumerate(read)]
     if due:
         ranked = log["ranked"].tolist()
         for n, (b, h) in enumerate(rows):

@@ -98,8 +98,36 @@ def _generate(model, profile, ids, mask, steps=24, **cfg):
     return torch.stack(out.scores), cache
 
 
+def test_rows_with_fewer_pages_keep_their_holes_as_zero_pages():
+    """`holes=True` (`budget_mass`): a row's -1 entries (valid entries first) are zero pages in the layout, outside
+    the table, their slots at the bottom of the free stack; the rest reads as a gather of the pages does."""
+    store, g = _tiered_store(2)
+    n, last = store.rows, store.num_pages - 1
+    picks = torch.stack([torch.randperm(last, generator=g)[:4] for _ in range(n)])
+    sel = torch.cat([torch.full((n, 1), last), picks], 1)  # the page being filled first; valid entries first
+    sel[0, 3:] = -1  # row 0 holds 3 pages, row 1 four, the others five
+    sel[1, 4:] = -1
+    move_tiers(store, torch.arange(store.num_pages).expand(n, -1), sel, variable=True)
+    store.arrange_rows(sel, headroom=2, holes=True)
+    held = int((sel >= 0).sum())
+    assert store.slots_in_use() == held == int((store.table[:, : store.num_pages] != 0).sum())
+    keys, values = store.row_view(sel, sel.shape[1])
+    slots = store.table.gather(1, sel.clamp(min=0)).masked_fill(sel < 0, 0)  # -1: the null block
+    m = sel.shape[1]
+    assert torch.equal(keys, gather_pages(store.k_pool, slots).view(n, m * P, D))
+    assert torch.equal(values, gather_pages(store.v_pool, slots).view(n, m * P, D))
+    assert not bool(keys.view(n, m, P, D)[sel < 0].any())  # the holes read as zeros (masked by the attention)
+    assert set(store.free[:3].tolist()) == {1 + 0 * (m + 2) + j for j in (3, 4)} | {1 + 1 * (m + 2) + 4}
+    # Nothing was lost: the device pages plus the host tier are every token.
+    plain, _ = _tiered_store(2)
+    for a, b in zip(store.dense(), plain.dense()):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("options", [{}, {"budget_split": "mass"}, {"budget_mass": 0.5}],
+                         ids=["even", "split", "mass"])
 @pytest.mark.parametrize("promotion", ["deferred", "sync"])
-def test_generation_reading_in_place_is_bit_identical(monkeypatch, promotion):
+def test_generation_reading_in_place_is_bit_identical(monkeypatch, promotion, options):
     model = tiny_model("llama", layers=2, heads=8, kv_heads=4)
     profile = HeadProfile.from_unstable(model.config, [(0, 1), (1, 0), (1, 3)])
     ids, mask = left_padded_batch(2, 45, pad_lengths=[0, 6])
@@ -112,19 +140,30 @@ def test_generation_reading_in_place_is_bit_identical(monkeypatch, promotion):
             reads["in place" if view is not None else "gathered"] += 1
         return view
 
+    holes = []
+    arrange = PagedKV.arrange_rows
+
+    def arranged(self, pages, headroom, holes_=False, **kw):
+        holes.append(bool((pages < 0).any()))
+        return arrange(self, pages, headroom, kw.get("holes", holes_))
+
     monkeypatch.setattr(PagedKV, "row_view", counted)
+    monkeypatch.setattr(PagedKV, "arrange_rows", arranged)
     with torch.no_grad():
-        in_place, _ = _generate(model, profile, ids, mask, promotion=promotion)
+        in_place, _ = _generate(model, profile, ids, mask, promotion=promotion, **options)
     # Two stable groups, every decode step from the first ranking on (the headroom is never exhausted here).
     assert reads == {"in place": 2 * 23, "gathered": 0}
+    # Variable pages: some arrangement had a row of fewer pages than its group's widest (holes in the layout).
+    assert any(holes) == bool(options)
+    monkeypatch.setattr(PagedKV, "arrange_rows", arrange)
     monkeypatch.setattr(PagedKV, "row_view", lambda self, arranged, m: None)
     with torch.no_grad():
-        gathered, _ = _generate(model, profile, ids, mask, promotion=promotion)
+        gathered, _ = _generate(model, profile, ids, mask, promotion=promotion, **options)
     assert torch.equal(in_place, gathered)
     # And what a store that never arranges gives (compaction alone, as before the layout existed).
-    monkeypatch.setattr(PagedKV, "arrange_rows", lambda self, pages, headroom: self.compact(headroom * self.rows))
+    monkeypatch.setattr(PagedKV, "arrange_rows", lambda self, pages, headroom, holes=False: self.compact(headroom * self.rows))
     with torch.no_grad():
-        never, _ = _generate(model, profile, ids, mask, promotion=promotion)
+        never, _ = _generate(model, profile, ids, mask, promotion=promotion, **options)
     assert torch.equal(in_place, never)
 
 
