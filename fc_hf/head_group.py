@@ -167,7 +167,8 @@ class HeadGroup:
         self, step: int, query: torch.Tensor, page_valid: torch.Tensor | None, scaling: float = 1.0,
         token_valid: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Logical pages `[N, M]` this group attends to at decode step `step` (all exist and are resident; -1 entries only with variable pages)."""
+        """Logical pages `[N, M]` this group attends to at decode step `step` (all exist and are resident; -1 entries,
+        not attended, only with variable pages)."""
         if self.pending is not None:
             self._apply(*self.pending)
             self.pending = None
