@@ -41,7 +41,7 @@ class Policy:
     recent_pages: int = 0
     tail: bool = False  # add mean-key/mean-value estimates of unselected pages to the softmax
     refine: int = 0  # candidate pages re-scored exactly (FlexiCacheConfig.refine_pages)
-    mass: float | None = None  # FlexiCacheConfig.budget_mass: the fewest candidates reaching this mass (floor K/4, ceiling 2K)
+    mass: float | None = None  # FlexiCacheConfig.budget_mass: the fewest candidates reaching this mass
 
     def config_options(self) -> dict:
         return {"page_score": self.page_score, "score_subpages": self.subpages, "recent_pages": self.recent_pages,
@@ -179,7 +179,7 @@ def probe_layer(
         if pol.mass is not None:
             if not pol.refine:
                 raise ValueError(f"policy {pol.name!r}: a mass policy chooses among refinement's candidates (set refine)")
-            sel = _mass_selection(scores, page_mass.mean(1), pol, k_pages, page_size)
+            sel = _mass_selection(scores, page_mass.mean(1), pol, k_pages, page_size) & exists[None]
         elif pol.refine and pol.refine > kk:
             # Candidates by score, then the K with the most true mass among them (forced pages kept).
             cand = torch.topk(scores, min(pol.refine, num_pages), dim=-1).indices
@@ -218,7 +218,6 @@ def _mass_selection(scores: torch.Tensor, true_mass: torch.Tensor, pol: Policy, 
 
     cfg = FlexiCacheConfig(token_budget=k_pages * page_size, page_size=page_size, refine_pages=pol.refine,
                            budget_mass=pol.mass)
-
     h, t, num_pages = scores.shape
     cand_scores, cand = torch.topk(scores.reshape(h * t, num_pages), min(pol.refine, num_pages), dim=-1)
     mass = true_mass.reshape(h * t, num_pages).gather(1, cand)

@@ -205,7 +205,8 @@ class HeadGroup:
             return memo[4]
         if self.sel is None:  # right after prefill: everything is resident
             pages = torch.arange(store.num_pages, device=store.device).expand(store.rows, store.num_pages)
-        elif self.variable and not self._torch_path():  # valid entries first (the Triton kernel stops at each row's count)
+        elif self.variable and not self._torch_path():
+            # valid entries first (the Triton kernel stops at each row's count)
             pages = with_pages_since(self.sel, self.pages_at_rank, store.num_pages)
         else:  # the PyTorch path masks -1 entries wherever they are: the order of the in-place layout
             since = torch.arange(self.pages_at_rank, store.num_pages, device=store.device)
