@@ -51,7 +51,8 @@ from .metrics import normalize_answer, token_f1
 from .results import read_predictions
 
 __all__ = ["answer_f1", "pair_rows", "task_runs", "agreement_stats", "agreement_table", "agreement_markdown",
-           "write_agreement", "markdown_path", "bootstrap_indices", "percentile_interval", "with_interval"]
+           "write_agreement", "markdown_path", "bootstrap_indices", "percentile_interval", "with_interval",
+           "f1_difference"]
 
 # Settings that must match dense's for the answers to be comparable: the same prompts, answers of the same length.
 SAME_PROMPT_KEYS = ("max_prompt_tokens", "seq_length", "dtype", "max_new_tokens")
@@ -201,6 +202,27 @@ def agreement_stats(pairs_by_task: dict[str, Sequence[tuple[dict, dict]]], resam
     }
 
 
+def f1_difference(base_by_task: dict[str, Sequence[tuple[dict, dict]]],
+                  other_by_task: dict[str, Sequence[tuple[dict, dict]]], resamples: int = 2000,
+                  seed: int = 0) -> dict[str, Any] | None:
+    """Paired difference of F1 vs dense, other run - base run, over the questions both answered (per task: the ids
+    in both), with a bootstrap interval stratified by task as the pooled rows'. None when no question is shared.
+    Keys: difference (+ _low, _high), difference_n."""
+    strata = []
+    for task, base_pairs in base_by_task.items():
+        base = {str(d["id"]): answer_f1(_answer(m), _answer(d)) for d, m in base_pairs}
+        other = {str(d["id"]): answer_f1(_answer(m), _answer(d)) for d, m in other_by_task.get(task, [])}
+        diffs = [other[i] - base[i] for i in base if i in other]
+        if diffs:
+            strata.append(diffs)
+    if not strata:
+        return None
+    values = np.array([x for s in strata for x in s])
+    lo, hi = percentile_interval(values[bootstrap_indices([len(s) for s in strata], resamples, seed)].mean(axis=1))
+    return {"difference": float(values.mean()), "difference_low": lo, "difference_high": hi,
+            "difference_n": int(values.size)}
+
+
 def _groups(bench: str, tasks: Sequence[str]) -> list[tuple[str, list[str]]]:
     groups = [("all", list(tasks))] if len(tasks) >= 2 else []
     if bench == "leval":
@@ -215,7 +237,7 @@ def _groups(bench: str, tasks: Sequence[str]) -> list[tuple[str, list[str]]]:
 
 def agreement_table(root: str | Path, bench: str = "leval", model: str | None = None,
                     tasks: Sequence[str] | None = None, resamples: int = 2000, seed: int = 0,
-                    control: str | Path | None = None) -> list[dict[str, Any]]:
+                    control: str | Path | None = None, versus: str | None = None) -> list[dict[str, Any]]:
     """One dict per (model, task, run) and per (model, pooled group, run), for the runs under
     `root/<bench>/<model>/<task>/` that have a `dense` run beside them.
 
@@ -226,10 +248,20 @@ def agreement_table(root: str | Path, bench: str = "leval", model: str | None = 
         tasks: only these tasks (default: every task folder with a dense run).
         resamples, seed: the bootstrap's (module docstring).
         control: a results root whose dense runs in another dtype become "dense-<dtype>" rows (noise floor).
+        versus: a run folder name (e.g. "flexicache-b1024"): every other run's row also gets its paired F1
+            difference from that run on the same questions (`f1_difference`).
 
     Each dict: model, task (a task, or "all" / "open-ended" / "exam" with `pooled` True), run (the run
-    folder name, e.g. "flexicache-b1024"), `max_prompt_tokens` of the dense run, and `agreement_stats`'s keys.
+    folder name, e.g. "flexicache-b1024"), `max_prompt_tokens` of the dense run, and `agreement_stats`'s keys
+    (and `f1_difference`'s with `versus`).
     """
+
+    def against(members: Sequence[str], run: str) -> dict[str, Any]:
+        if not versus or run == versus:
+            return {}
+        base = {t: per_task[t].get(versus, []) for t in members}
+        return f1_difference(base, {t: per_task[t].get(run, []) for t in members}, resamples, seed) or {}
+
     bench_dir = Path(root) / bench
     models = [model] if model else sorted(p.name for p in bench_dir.iterdir() if p.is_dir()) if bench_dir.is_dir() else []
     rows: list[dict[str, Any]] = []
@@ -255,14 +287,15 @@ def agreement_table(root: str | Path, bench: str = "leval", model: str | None = 
                 stats = agreement_stats({task: pairs}, resamples, seed)
                 if stats:
                     rows.append({"model": m, "task": task, "pooled": False, "run": run,
-                                 "max_prompt_tokens": prompt_tokens[task], **stats})
+                                 "max_prompt_tokens": prompt_tokens[task], **stats, **against([task], run)})
         for group, members in _groups(bench, list(per_task)):
             for run in run_names:
                 stats = agreement_stats({t: per_task[t].get(run, []) for t in members}, resamples, seed)
                 if stats:
                     lengths = {prompt_tokens[t] for t in members if per_task[t].get(run)}
                     rows.append({"model": m, "task": group, "pooled": True, "run": run,
-                                 "max_prompt_tokens": lengths.pop() if len(lengths) == 1 else None, **stats})
+                                 "max_prompt_tokens": lengths.pop() if len(lengths) == 1 else None, **stats,
+                                 **against(members, run)})
     return rows
 
 
@@ -284,8 +317,9 @@ def _retention_cell(row: dict[str, Any]) -> str:
 
 
 def agreement_markdown(rows: Sequence[dict[str, Any]], bench: str = "leval", resamples: int = 2000,
-                       seed: int = 0) -> str:
-    """Markdown: one table per model, task rows then pooled rows (in bold)."""
+                       seed: int = 0, versus: str | None = None) -> str:
+    """Markdown: one table per model, task rows then pooled rows (in bold); with `versus`, a column of each run's
+    paired F1 difference from that run."""
     if not rows:
         return f"No {bench} task with a dense run and another run was found.\n"
     parts = [f"# Agreement with dense — {bench}\n",
@@ -302,25 +336,32 @@ def agreement_markdown(rows: Sequence[dict[str, Any]], bench: str = "leval", res
         lengths = {r["max_prompt_tokens"] for r in sel if not r["pooled"]}
         length = f" — prompts ≤ {lengths.pop()} tokens" if len(lengths) == 1 and None not in lengths else ""
         parts.append(f"## {model}{length}\n")
-        lines = ["| task | run | n | score (method / dense) | retention [95% CI] | F1 vs dense [95% CI] | identical |",
-                 "|---|---|---|---|---|---|---|"]
+        extra = f" F1 - {versus} [95% CI] (n) |" if versus else ""
+        lines = ["| task | run | n | score (method / dense) | retention [95% CI] | F1 vs dense [95% CI] | identical |"
+                 + extra, "|---|---|---|---|---|---|---|" + ("---|" if versus else "")]
         for r in [r for r in sel if not r["pooled"]] + [r for r in sel if r["pooled"]]:
             task = f"**{r['task']}** ({r['tasks']} tasks)" if r["pooled"] else r["task"]
+            diff = ""
+            if versus:
+                diff = " |" if r.get("difference") is None else (
+                    f" {r['difference']:+.3f} [{r['difference_low']:+.3f}, {r['difference_high']:+.3f}] "
+                    f"({r['difference_n']}) |")
             lines.append(f"| {task} | {r['run']} | {r['n']} | {r['method_score']:.3f} / {r['dense_score']:.3f} | "
-                         f"{_retention_cell(r)} | {with_interval(r, 'agreement')} | {r['identical']:.3f} |")
+                         f"{_retention_cell(r)} | {with_interval(r, 'agreement')} | {r['identical']:.3f} |" + diff)
         parts.append("\n".join(lines) + "\n")
     return "\n".join(parts)
 
 
 def write_agreement(root: str | Path, bench: str = "leval", model: str | None = None,
                     tasks: Sequence[str] | None = None, out: str | Path | None = None, resamples: int = 2000,
-                    seed: int = 0, control: str | Path | None = None) -> tuple[list[dict[str, Any]], str]:
+                    seed: int = 0, control: str | Path | None = None,
+                    versus: str | None = None) -> tuple[list[dict[str, Any]], str]:
     """`agreement_table` and its Markdown; the Markdown is also written to `out` when given.
 
     `out` names a Markdown file; an existing folder (e.g. the results root, which every other `eval` command
     calls `--out`) gets `agreement-<bench>.md` inside it (`markdown_path`)."""
-    rows = agreement_table(root, bench, model, tasks, resamples, seed, control)
-    text = agreement_markdown(rows, bench, resamples, seed)
+    rows = agreement_table(root, bench, model, tasks, resamples, seed, control, versus)
+    text = agreement_markdown(rows, bench, resamples, seed, versus)
     if out:
         out = markdown_path(out, bench)
         out.parent.mkdir(parents=True, exist_ok=True)

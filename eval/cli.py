@@ -170,6 +170,9 @@ def _agreement_options(a):
     a.add_argument("--resamples", type=int, default=2000, help="bootstrap resamples")
     a.add_argument("--control", default=None,
                    help="results root of a dense run in another --dtype (same tasks, lengths): a noise-floor row")
+    a.add_argument("--versus", default=None,
+                   help="a run folder name, e.g. flexicache-b1024: add each other run's paired F1 difference from it "
+                        "(same questions, bootstrap within task)")
 
 
 def _summary_options(s):
@@ -258,7 +261,7 @@ def _agreement(args) -> int:
     from .agreement import markdown_path, write_agreement
 
     rows, text = write_agreement(args.results, args.bench, args.model, args.tasks, args.out, args.resamples, args.seed,
-                                 args.control)
+                                 args.control, args.versus)
     print(text)
     if args.out:
         print(f"wrote {markdown_path(args.out, args.bench)}")

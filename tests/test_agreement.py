@@ -244,3 +244,20 @@ def test_leval_and_longbench_cli_pass_cache_options_to_every_non_dense_cache(mod
                      "--cache-options", "page_size=8"]) == 0
     assert set(_folders(tmp_path, "longbench", "passage_count")) == {"dense", "quest-b64-page_size=8"}
 
+
+
+def test_versus_adds_each_runs_paired_f1_difference_on_shared_questions(root, capsys):
+    """`--versus RUN`: other run - RUN, F1 vs dense per question both answered (financial_qa: a, b, c; "d" has no
+    quest answer), the pooled row stratified by task (quality has no flexicache run: no stratum)."""
+    rows = agreement_table(root, versus="quest-b64")
+    flexi = _row(rows, "financial_qa", "flexicache-b64")
+    # flexicache answers as dense (F1 1 each); quest: a 0.75, b 1 ("Blue." = "blue"), c 1 (both empty)
+    assert flexi["difference"] == pytest.approx((0.25 + 0 + 0) / 3) and flexi["difference_n"] == 3
+    assert flexi["difference_low"] <= flexi["difference"] <= flexi["difference_high"]
+    pooled = _row(rows, "all", "flexicache-b64")
+    assert pooled["difference"] == pytest.approx(flexi["difference"]) and pooled["difference_n"] == 3
+    assert "difference" not in _row(rows, "financial_qa", "quest-b64")  # the reference itself
+    assert "difference" not in _row(agreement_table(root), "financial_qa", "flexicache-b64")  # only when asked
+    assert cli.main(["agreement", "--results", str(root), "--versus", "quest-b64"]) == 0
+    out = capsys.readouterr().out
+    assert "F1 - quest-b64 [95% CI] (n)" in out and "+0.083 [" in out
