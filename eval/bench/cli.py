@@ -26,6 +26,7 @@ Suites (run any subset; `all` runs every one):
   Markdown table in `<out>/ops.md`, see `ops.py`. Counts, not timings: it runs on a loaded machine too.
 - `paired`: FlexiCache's decode step against the floor's (dense over `budget` tokens), timed alternately in one
   worker so load drift hits both; the ratio without the noise of timing cases one after another, see `paired.py`.
+  With `--paired-variant FIELDS`, against FlexiCache with those fields on top instead (an option's step cost).
 - `capacity`: under one device-KV cap (dense's KV at 16k tokens), the longest prompt and the largest batch dense,
   transformers' offloaded cache (analytic), FlexiCache and FlexiCache with chunked prefill (counted) can prefill and
   decode 64 tokens with; device bytes over the chunks and steps; bytes moved per step, see `capacity.py`.
