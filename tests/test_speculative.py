@@ -350,3 +350,30 @@ def test_what_assisted_decoding_cannot_do_is_refused_clearly():
                       profile="auto")
     with pytest.raises(FlexiCacheError, match='profile="auto"'):
         _generate(model, ids, mask, auto, prompt_lookup_num_tokens=3)
+
+
+@pytest.mark.parametrize("family,shape", [("llama", {}), ("qwen2", {}), ("llama", {"heads": 8, "kv_heads": 4})])
+def test_prompt_lookup_under_budget_mass_gives_greedy_tokens(family, shape, monkeypatch):
+    """`budget_mass`: stable rows of fewer pages than their group's widest are laid out with holes
+    (`PagedKV.arrange_rows(holes=True)`); verification and crops over that layout give plain greedy decoding's tokens
+    and state."""
+    from fc_hf.paged_store import PagedKV
+
+    holes = []
+    arrange = PagedKV.arrange_rows
+
+    def arranged(self, pages, headroom, holes_flag=False, **kw):
+        holes.append(bool((pages < 0).any()))
+        return arrange(self, pages, headroom, kw.get("holes", holes_flag))
+
+    monkeypatch.setattr(PagedKV, "arrange_rows", arranged)
+    model = tiny_model(family, **shape)
+    cfg = FlexiCacheConfig(page_size=4, token_budget=16, rerank_interval=3, budget_mass=0.5)
+    profile, (ids, mask) = _mixed_profile(model), _prompt()
+    plain = _generate(model, ids, mask, FlexiCache(model.config, cfg, profile))
+    cache = FlexiCache(model.config, cfg, profile)
+    assert torch.equal(_generate(model, ids, mask, cache, prompt_lookup_num_tokens=4), plain)
+    assert any(holes)
+    reference = FlexiCache(model.config, cfg, profile)
+    _generate(model, ids, mask, reference)
+    assert_same_state(cache, reference, atol=1e-5)
