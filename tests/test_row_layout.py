@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import left_padded_batch, tiny_model
+from conftest import left_padded_batch, tiny_model, watch_row_holes
 from fc_hf import FlexiCache, FlexiCacheConfig, FlexiCacheError, HeadProfile
 from fc_hf.paged_store import PagedKV, gather_pages
 from fc_hf.tiers import move_tiers
@@ -140,15 +140,9 @@ def test_generation_reading_in_place_is_bit_identical(monkeypatch, promotion, op
             reads["in place" if view is not None else "gathered"] += 1
         return view
 
-    holes = []
     arrange = PagedKV.arrange_rows
-
-    def arranged(self, pages, headroom, holes_=False, **kw):
-        holes.append(bool((pages < 0).any()))
-        return arrange(self, pages, headroom, kw.get("holes", holes_))
-
     monkeypatch.setattr(PagedKV, "row_view", counted)
-    monkeypatch.setattr(PagedKV, "arrange_rows", arranged)
+    holes = watch_row_holes(monkeypatch)
     with torch.no_grad():
         in_place, _ = _generate(model, profile, ids, mask, promotion=promotion, **options)
     # Two stable groups, every decode step from the first ranking on (the headroom is never exhausted here).

@@ -10,7 +10,7 @@ import copy
 
 import pytest
 import torch
-from conftest import tiny_config, tiny_model
+from conftest import tiny_config, tiny_model, watch_row_holes
 from transformers import DynamicCache
 
 from fc_hf import FlexiCache, FlexiCacheConfig, FlexiCacheError, HeadProfile
@@ -357,16 +357,7 @@ def test_prompt_lookup_under_budget_mass_gives_greedy_tokens(family, shape, monk
     """`budget_mass`: stable rows of fewer pages than their group's widest are laid out with holes
     (`PagedKV.arrange_rows(holes=True)`); verification and crops over that layout give plain greedy decoding's tokens
     and state."""
-    from fc_hf.paged_store import PagedKV
-
-    holes = []
-    arrange = PagedKV.arrange_rows
-
-    def arranged(self, pages, headroom, holes_flag=False, **kw):
-        holes.append(bool((pages < 0).any()))
-        return arrange(self, pages, headroom, kw.get("holes", holes_flag))
-
-    monkeypatch.setattr(PagedKV, "arrange_rows", arranged)
+    holes = watch_row_holes(monkeypatch)
     model = tiny_model(family, **shape)
     cfg = FlexiCacheConfig(page_size=4, token_budget=16, rerank_interval=3, budget_mass=0.5)
     profile, (ids, mask) = _mixed_profile(model), _prompt()
