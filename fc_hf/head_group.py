@@ -224,10 +224,7 @@ class HeadGroup:
         memo = self._slots_memo
         if memo is not None and memo[0] is pages and memo[1] == store.table_version:
             return memo[2]
-        if self.variable:  # -1 entries (past a row's count) point at the null block
-            slots = store.table.gather(1, pages.clamp(min=0)).masked_fill_(pages < 0, 0)
-        else:
-            slots = store.slots_for(pages)
+        slots = store.slots_for(pages, holes=self.variable)  # -1 entries (variable pages): the null block
         self._slots_memo = (pages, store.table_version, slots)
         return slots
 

@@ -269,7 +269,7 @@ class PagedKV:
         width = m + headroom
         need = 1 + n * width
         empty = pages < 0
-        old = self.table.gather(1, pages.clamp(min=0)).masked_fill_(empty, 0)  # -1: the (all-zero) null block
+        old = self.slots_for(pages, holes)
         keys, values = gather_pages(self.k_pool, old), gather_pages(self.v_pool, old)  # copies
         if self.k_pool.shape[0] != need:
             self._set_pools(self.k_pool.new_zeros(need, *self.k_pool.shape[1:]),
@@ -452,8 +452,11 @@ class PagedKV:
         self.host_k, self.host_v = hk, hv
 
     # -- reading ---------------------------------------------------------------------------------
-    def slots_for(self, page_idx: torch.Tensor) -> torch.Tensor:
-        """Device slots of `[N, M]` logical pages (all >= 0: head groups never select a missing page)."""
+    def slots_for(self, page_idx: torch.Tensor, holes: bool = False) -> torch.Tensor:
+        """Device slots of `[N, M]` logical pages (all >= 0: head groups never select a missing page); with `holes`
+        (variable pages) -1 entries may appear and get slot 0, the all-zero null block."""
+        if holes:
+            return self.table.gather(1, page_idx.clamp(min=0)).masked_fill_(page_idx < 0, 0)
         return self.table.gather(1, page_idx)
 
     def check_resident(self, slots: torch.Tensor) -> None:

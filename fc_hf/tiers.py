@@ -24,10 +24,7 @@ def move_tiers(store, old_pages: torch.Tensor, new_sel: torch.Tensor, variable: 
     slots, evicted slots beyond the promoted pages are freed (`kernels.promotion_plan`).
     """
     device = store.device
-    if variable:
-        old_slots = store.table.gather(1, old_pages.clamp(min=0)).masked_fill_(old_pages < 0, 0)
-    else:
-        old_slots = store.slots_for(old_pages)
+    old_slots = store.slots_for(old_pages, holes=variable)
     # The plan (a few hundred indices) is worked out on the host from one copy: one host sync on CUDA per tier move,
     # not one per `nonzero` and check in it. The page being filled has no host copy yet; it is always selected, so it
     # is never evicted.
