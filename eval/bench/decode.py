@@ -178,7 +178,9 @@ def worker(spec: dict) -> int:
         if "step_ms_mean" in res:
             what = f"{res['step_ms_mean']:.1f} ms/step ({res['tok_s']:.2f} tok/s)"
         elif "ratio_of_medians" in res:
-            a, b = ("floor", "flexicache") if "floor_median_ms" in res else ("flexicache", "variant")
+            from .paired import sides
+
+            a, b = sides(res)
             what = (f"{a} {res[a + '_median_ms']:.1f}, {b} {res[b + '_median_ms']:.1f} ms/step "
                     f"(medians; ratio {res['ratio_of_medians']:.2f})")
         else:

@@ -30,7 +30,7 @@ from ..methods import make_cache, parse_cache_options, prepare_model
 from .common import (base_config, decode_step, environment, ingest_random_kv, log, now, parse_sizes, release_memory,
                      run_worker, write_json)
 
-__all__ = ["paired_case", "suite_paired", "markdown_table"]
+__all__ = ["paired_case", "suite_paired", "markdown_table", "sides"]
 
 
 def paired_case(model, config, budget: int, length: int, batch: int, steps: int, profile, options=None,
@@ -87,9 +87,14 @@ def paired_case(model, config, budget: int, length: int, batch: int, steps: int,
     return result
 
 
+def sides(result: dict) -> tuple[str, str]:
+    """The two sides of a `paired_case` result, as its keys name them: the reference first."""
+    return ("flexicache", "variant") if "variant" in result else ("floor", "flexicache")
+
+
 def markdown_table(results: list[dict]) -> str:
     """The rows of one run (all floor-paired, or all variant-paired: the columns name the sides)."""
-    a, b = ("flexicache", "variant") if results and "variant" in results[0] else ("floor", "flexicache")
+    a, b = sides(results[0]) if results else ("floor", "flexicache")
     label = {"floor": "floor", "flexicache": "FlexiCache", "variant": "variant"}
     head = ["model", "context", "batch", "budget", "steps", f"{label[a]} median / mean (ms)",
             f"{label[b]} median / mean (ms)", "ratio of medians", "ratio of means", "median step ratio"]
