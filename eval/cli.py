@@ -1,4 +1,4 @@
-"""`flexicache eval {fidelity,freerun,chunked,ruler,longbench,leval,agreement,selection,summary,tasks-path,lm-eval}`: accuracy retention against dense.
+"""`flexicache eval {fidelity,freerun,chunked,ruler,longbench,leval,agreement,selection,misses,summary,tasks-path,lm-eval}`: accuracy retention against dense.
 
 Examples:
 
@@ -160,6 +160,21 @@ def _selection_options(s):
     s.add_argument("--out", default=None, help="write the Markdown tables here too")
 
 
+def _misses_options(m):
+    m.add_argument("--model", default="smollm2-135m-instruct", help="bundled model name or a local model folder")
+    m.add_argument("--sources", type=_csv(), default=["demo"],
+                   help="cases: demo, ruler:TASK:LENGTH:SAMPLE, leval:TASK:INDEX, kjv:OFFSET (comma list)")
+    m.add_argument("--leval-data", default="../shared/data/leval/open-ended", help="L-Eval data folder (leval: sources)")
+    m.add_argument("--prompt-tokens", type=int, default=4096, help="leval: and kjv: prompts are cut to this")
+    m.add_argument("--new-tokens", type=int, default=64, help="dense's answer (leval:) or forced text (kjv:) tokens")
+    m.add_argument("--budget", type=int, default=1024)
+    m.add_argument("--profile", default=None, help="head profile (default: the bundled one)")
+    m.add_argument("--cache-options", default=None, help="FlexiCacheConfig fields, e.g. rerank_interval=8")
+    m.add_argument("--dtype", default="float32", choices=list(DTYPES))
+    m.add_argument("--out", default="results/misses/misses.jsonl", help="one JSON line per case (resumed); .md beside")
+    m.add_argument("--threads", type=int, default=None, help="torch threads")
+
+
 def _agreement_options(a):
     a.add_argument("--results", default="results", help="results root (--out of `flexicache eval leval|longbench`)")
     a.add_argument("--bench", default="leval", help="benchmark folder under the root (leval, longbench)")
@@ -308,6 +323,23 @@ def _selection(args) -> int:
     return 0
 
 
+def _misses(args) -> int:
+    from pathlib import Path
+
+    import torch
+
+    from .misses import misses_markdown, run_misses
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    rows = run_misses(args.model, args.sources, args.out, parse_cache_options(args.cache_options), args.budget,
+                      args.profile, args.dtype, args.leval_data, args.prompt_tokens, args.new_tokens)
+    text = misses_markdown(rows, f"{args.model}, budget {args.budget}")
+    Path(args.out).with_suffix(".md").write_text(text + "\n")
+    print(text)
+    return 0
+
+
 SUBCOMMANDS: dict[str, Subcommand] = {
     "fidelity": Subcommand("teacher-forced agreement with dense on real text (continue / recall)", _fidelity_options,
                            partial(_evaluate, _fidelity)),
@@ -324,6 +356,8 @@ SUBCOMMANDS: dict[str, Subcommand] = {
                             _agreement_options, _agreement),
     "selection": Subcommand("selection-quality probe: attention mass each page policy captures, vs the oracle",
                             _selection_options, _selection),
+    "misses": Subcommand("confident misses teacher-forced on dense's tokens: which head missed which page, and why",
+                         _misses_options, _misses),
     "summary": Subcommand("Markdown retention / fidelity tables and plots of a results folder", _summary_options, _summary),
     "tasks-path": Subcommand("print the lm-eval include path of the L-Eval and LongBench task configs",
                              lambda sp: None, _tasks_path),

@@ -279,6 +279,7 @@ class HeadGroup:
         """Sparse decode attention for this group. `query [N, G, D]` -> `[N, G, Dv]` (written into `out` if given)."""
         store = self.store
         pages = self.pages_for_step(step, query, page_valid, scaling, token_valid)
+        self.last_read = pages
         # A refined ranking at this step already scored these keys. Not re-used under a softcap (the capped logits are
         # not the ranking's) or on Triton (its kernel reads the keys in-kernel anyway); offered every step to clear them.
         triton = kernels.backend_for(query, self.cfg.backend) == "triton"
@@ -320,6 +321,10 @@ class HeadGroup:
             self._apply(*self.pending)
             self.pending = None
         return out
+
+    def pages_read(self) -> torch.Tensor:
+        """The pages `[N, M]` this group read at its last decode step (-1 entries: none; diagnosis and tests)."""
+        return self.last_read
 
     # -- several decode steps at once (speculative decoding's verification, `FlexiCacheLayer.attend`) -------------
     def can_attend_block(self) -> bool:
