@@ -57,6 +57,11 @@ class FlexiCacheConfig:
             re-uses the kept pages' logits and reads only their values (PyTorch backend; the Triton decode kernel
             reads the keys again): 1.5x Quest's KV bytes at the same budget for a head ranked every step (2x on
             the Triton path).
+        carry_pages (`int`, *optional*, defaults to K // 8): each refined ranking carries its `carry_pages` pages of most
+            exact mass, and the page after each, into the next ranking's candidates, whatever their bound then. None
+            (the default) means max(1, K // 8); 0 turns it off (candidates by the bound alone, as before). The misses
+            it removes are a copy head losing the page it was reading when a new query's bound drops it
+            (docs/eval/misses.md).
         tail_estimate (`bool`, *optional*, defaults to False): keep each unselected full page in the softmax as
             one term from its mean key and mean value (per-page means kept beside MinMax).
         backend (`str`, *optional*): "torch" or "triton" forces a kernel backend; None picks by device.
@@ -109,6 +114,7 @@ class FlexiCacheConfig:
     stable_page_score: str | None = None
     tail_estimate: bool = False
     refine_pages: int | None = None
+    carry_pages: int | None = None
     backend: str | None = None
     warmup_steps: int = 64
     budget_mass: float | None = None
@@ -171,6 +177,10 @@ class FlexiCacheConfig:
                 f"FlexiCacheConfig.refine_pages must be None (2 * K), 0 (off) or an integer >= {self.pages_per_head} "
                 f"(the budget's pages), got {self.refine_pages!r}."
             )
+        if self.carry_pages is not None and (isinstance(self.carry_pages, bool) or not isinstance(self.carry_pages, int)
+                                             or self.carry_pages < 0):
+            raise ValueError(f"FlexiCacheConfig.carry_pages must be None (K // 8), 0 (off) or a positive integer, got "
+                             f"{self.carry_pages!r}.")
         if self.score_subpages is not None:
             positive_int("score_subpages", self.score_subpages)
         if self.page_size % self.subpages:
@@ -268,6 +278,14 @@ class FlexiCacheConfig:
     def candidate_pages(self) -> int:
         """Candidates a ranking re-scores exactly (`refine_pages` resolved: None -> 2 * K); 0 when off."""
         return 2 * self.pages_per_head if self.refine_pages is None else self.refine_pages
+
+    @property
+    def carried_pages(self) -> int:
+        """Pages a refined ranking carries into the next one's candidates (`carry_pages` resolved: None -> K // 8, at
+        least 1), each with its successor; 0 without refinement or with variable pages."""
+        if not self.candidate_pages or self.variable_pages:
+            return 0
+        return max(1, self.pages_per_head // 8) if self.carry_pages is None else self.carry_pages
 
     @property
     def subpages(self) -> int:

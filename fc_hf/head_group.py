@@ -25,7 +25,7 @@ import torch
 from . import kernels
 from .budget_mass import entry_counts, with_pages_since
 from .paged_store import PagedKV, gather_pages
-from .selection import NEG_INF, PageSelector, force_recent_pages, head_bounds, tail_terms
+from .selection import NEG_INF, PageSelector, tail_terms
 from .tiers import compaction_headroom, move_tiers
 
 UNSTABLE, STABLE, STREAMING = "unstable", "stable", "streaming"
@@ -110,6 +110,7 @@ class HeadGroup:
         self.pending = None
         self._pages_memo = self._slots_memo = self._checked_slots = None
         self.selector.forget()  # nothing ranked before these tokens is re-used
+        self.selector.carried = None
 
     def slots_after(self, tokens: int, batch: int, decode: bool = False) -> int:
         """Device slots this group holds once `tokens` more tokens are in (`decode`: as decode steps, the tokens
@@ -236,13 +237,14 @@ class HeadGroup:
         self.sel = new_sel
         self.pages_at_rank = pages_at_rank
 
-    def adopt_selection(self, sel: torch.Tensor, pages_at_rank: int) -> None:
+    def adopt_selection(self, sel: torch.Tensor, pages_at_rank: int, carried: torch.Tensor | None = None) -> None:
         """Take `sel [N, <=K]`, ranked when `pages_at_rank` pages existed, as this group's last ranking.
 
         For `profile="auto"`: a group built at the end of the warm-up inherits the ranking its heads made at
         that (re-rank) step; a tiered group then keeps only those pages on the device, as after that ranking.
         """
         self._apply(sel, pages_at_rank)
+        self.selector.carried = carried
         self.rank_next = False  # ranked already: the schedule goes on as if this group had made that ranking
 
     def _move_tiers(self, new_sel: torch.Tensor, pages_at_rank: int) -> None:
@@ -328,73 +330,25 @@ class HeadGroup:
 
     # -- several decode steps at once (speculative decoding's verification, `FlexiCacheLayer.attend`) -------------
     def can_attend_block(self) -> bool:
-        """Whether `attend_block` serves this group (the caller checks the schedule, the backend and the page count):
-        an unstable group ranked every step by the Quest bound with refinement, or a stable group between rankings."""
-        if self.pending is not None or self.variable or self.store is None:
-            return False
-        if self.kind == UNSTABLE:
-            sel = self.selector
-            return self.interval == 1 and sel.how == "quest" and bool(sel.refine)
-        return self.kind == STABLE
-
-    def block_pages_needed(self) -> int:
-        """Pages the sequence must have at every step of a block for `attend_block` (an unstable group's ranking then
-        takes exactly `refine_pages` candidates, as a single step would)."""
-        return self.selector.refine + 1 if self.kind == UNSTABLE else 0
+        """Whether `attend_block` serves this stable group between its rankings (the caller checks the schedule, the
+        backend and the batch). Groups that rank at every step attend a block one step at a time."""
+        return self.kind == STABLE and self.pending is None and not self.variable and self.store is not None
 
     def attend_block(self, query: torch.Tensor, lengths: torch.Tensor, scaling: float, check: bool,
-                     out: torch.Tensor):
-        """`t` consecutive decode steps of one sequence at once, their tokens appended already, each query attending as
-        its own step would (`FlexiCacheLayer.attend`). `query [N, t, G, D]` (N = this group's heads, batch 1; contiguous),
-        `lengths [t]` the sequence length at each step (none of them this group's stable re-rank), written into
-        `out [N, t, G, Dv]`.
-
-        Query j masks the tokens after its own (positions >= lengths[j]); the pages it ranks and reads are those of its
-        step: every page but the last is full at each step (its MinMax entries and keys final), the last is forced in.
-        Returns `after(i)`: this group's schedule fields once step i of the block has run (for the layer's marks)."""
+                     out: torch.Tensor) -> list[int]:
+        """`t` consecutive decode steps of one sequence at once, a stable group between its rankings, their tokens
+        appended already: each query attends as its own step would (`FlexiCacheLayer.attend`), to the last selection
+        plus the pages opened until its step. `query [N, t, G, D]` (N = this group's heads, batch 1; contiguous),
+        `lengths [t]` the sequence length at each step, written into `out [N, t, G, Dv]`; query j masks the tokens after
+        its own (positions >= lengths[j]). Returns the pages each step read (for the layer's marks)."""
         store = self.store
         n, t, g, d = query.shape
         p = store.page_size
         num_pages = store.num_pages
         counts = [-(-(store.length - t + 1 + j) // p) for j in range(t)]  # each step's page count
-        rows = n * t
         self.selector.forget()
         store.transfers.wait_promotions()
         full = torch.div(lengths, p, rounding_mode="floor")  # [t] full pages at each step
-        tail = None
-        if self.kind == UNSTABLE:
-            with self._timed("scoring"):
-                sel_rows, top, logits = self._rank_block(query, lengths, counts, scaling)
-            k = sel_rows.shape[1]
-            slots = store.table.gather(1, sel_rows.view(n, t * k))
-            if check:
-                store.check_resident(slots)
-            with self._timed("gather_attention"):
-                logits = logits.view(rows, g, -1, p).gather(2, top[:, None, :, None].expand(rows, g, k, p))
-                logits = logits.view(rows, g, k * p)
-                values = gather_pages(store.v_pool, slots, self.workspace, "v").view(rows, k * p, -1)
-                if store.page_means is not None:
-                    tail = self._tail_block(query, sel_rows.view(n, t, k), full, scaling)
-                    logits, values = torch.cat([logits, tail[0]], -1), torch.cat([values, tail[1]], 1)
-                probs = torch.softmax(logits, dim=-1)
-                out.view(rows, g, -1).copy_(torch.matmul(probs.to(values.dtype), values))
-            before = (self.rankings, self.ranked_pages, self.ranked_rows, self.read_pages, self.read_rows)
-            per = sel_rows.view(n, t, k)
-            self.sel = per[:, t - 1]
-            self.pages_at_rank = num_pages
-            self.rank_next = False
-            self.rankings += t
-            self.ranked_rows += rows
-            self.ranked_pages += rows * k
-            self.read_pages += rows * k
-            self.read_rows += rows
-
-            def after(i):
-                r, rp, rr, readp, readr = before
-                return {"sel": per[:, i], "pages_at_rank": counts[i], "rankings": r + i + 1, "rank_next": False,
-                        "counters": (rp + (i + 1) * n * k, rr + (i + 1) * n, readp + (i + 1) * n * k,
-                                     readr + (i + 1) * n)}
-            return after
         pages = self._resident_pages()  # the last step's; an earlier step's are these without the pages opened since
         m = pages.shape[1]
         reads = [n * (m - (num_pages - c)) for c in counts]  # pages each step reads (its page count's)
@@ -425,64 +379,9 @@ class HeadGroup:
             else:
                 probs = torch.softmax(logits, dim=-1)
                 out.view(n, t * g, -1).copy_(torch.matmul(probs.to(values.dtype), values))
-        readp, readr = self.read_pages, self.read_rows
         self.read_pages += sum(reads)
         self.read_rows += n * t
-        fixed = {"sel": self.sel, "pages_at_rank": self.pages_at_rank, "rankings": self.rankings,
-                 "rank_next": self.rank_next}
-
-        def after(i):
-            return {**fixed, "counters": (self.ranked_pages, self.ranked_rows, readp + sum(reads[: i + 1]),
-                                          readr + (i + 1) * n)}
-        return after
-
-    def _rank_block(self, query: torch.Tensor, lengths: torch.Tensor, counts: list[int], scaling: float):
-        """The rankings of `t` steps at once (`attend_block`): what `_rank` gives at each, refinement's logits kept.
-        `counts`: each step's page count (a block may open pages; each step ranks over its own).
-
-        Returns `(chosen [N*t, K], top [N*t, K], logits [N*t, G, C*P])`, row `i * t + j` = head i at step j."""
-        store, sel = self.store, self.selector
-        n, t, g, d = query.shape
-        rows, p, s, most = n * t, store.page_size, sel.subpages, counts[-1]
-        bounds = head_bounds(query.view(n, t * g, d), store.meta, most * s)  # [N, t*G, Np*S]
-        scores = bounds.view(n, t, g, most * s).amax(dim=2)
-        if s > 1:
-            scores = scores.view(n, t, most, s).amax(dim=-1)
-        c = sel.refine
-        cand, cand_scores, j = [], [], 0
-        while j < t:  # the steps of one page count rank together, over exactly their pages
-            e = j
-            while e < t and counts[e] == counts[j]:
-                e += 1
-            pages = counts[j]
-            part = scores[:, j:e, :pages].reshape(n * (e - j), pages)
-            part.index_fill_(1, kernels.torch_backend.forced_pages_index(pages, self.cfg.sink_pages, part.device),
-                             float("inf"))
-            force_recent_pages(part, sel.recent)
-            top_scores, top_pages = torch.topk(part, c, dim=-1, sorted=False)
-            cand.append(top_pages.view(n, e - j, c))
-            cand_scores.append(top_scores.view(n, e - j, c))
-            j = e
-        cand = (cand[0] if len(cand) == 1 else torch.cat(cand, 1)).view(rows, c)  # [N*t, C]
-        cand_scores = (cand_scores[0] if len(cand_scores) == 1 else torch.cat(cand_scores, 1)).view(rows, c)
-        # The steps' candidates overlap: each head reads the keys of their union once and scores all its queries
-        # against them in one matmul; each row then takes its own candidates' logits (what `_rank` computes).
-        union, where = union_pages(cand.view(n, t * c), most)  # [N, U], [N, t*C] (positions in the union)
-        u = union.shape[1]
-        keys = store.page_keys(union, self.workspace).view(n, u * p, d)
-        # Step j's table of positions past its end: only its last page has any (its tokens from lengths[j] on).
-        last = torch.tensor(counts, device=lengths.device) - 1
-        past = torch.arange(p, device=lengths.device)[None, :] >= (lengths - last * p)[:, None]  # [t, P]
-        table = torch.zeros(t, most, p, dtype=torch.float32, device=keys.device)
-        table[torch.arange(t, device=keys.device), last] = torch.zeros(t, p, device=keys.device).masked_fill_(past, NEG_INF)
-        bias = table.index_select(1, union.reshape(-1)).reshape(t, n, 1, u * p).transpose(0, 1).expand(n, t, g, u * p)
-        logits = torch.baddbmm(bias.reshape(n, t * g, u * p), query.view(n, t * g, d).float(),
-                               keys.float().transpose(1, 2), alpha=scaling)
-        at = where.view(n, t, 1, c, 1).expand(n, t, g, c, p)
-        logits = logits.view(n, t, g, u, p).gather(3, at).view(rows, g, c * p)
-        mass = kernels.torch_backend.mass_from_logits(logits, p, cand_scores, padded=False)
-        top = torch.topk(mass, sel.k, dim=-1).indices
-        return cand.gather(1, top), top, logits
+        return reads
 
     def _tail_block(self, query: torch.Tensor, read: torch.Tensor, full: torch.Tensor, scaling: float):
         """`tail_terms` of `t` steps: `query [N, t, G, D]`, the pages each reads `read [N, t, M]`, the full pages of each
@@ -500,23 +399,22 @@ class HeadGroup:
         values = means[..., d:][:, None].expand(n, t, f, means.shape[-1] - d).reshape(n * t, f, -1)
         return logits, values
 
-    def patched_mark(self, mark: tuple, fields: dict) -> tuple:
-        """`mark` (taken before a token of a block, `attend_block`) with this group's schedule fields as they stand once
-        the steps before that token have run (the store's part is already right: a block's steps do not change it)."""
-        store_mark, _, _, pending, compacted, _, fractions, _, after_append, _ = mark
-        return (store_mark, fields["sel"], fields["pages_at_rank"], pending, compacted, fields["rankings"], fractions,
-                fields["rank_next"], after_append, fields["counters"])
+    def patched_mark(self, mark: tuple, read_pages: int, read_rows: int) -> tuple:
+        """`mark` (taken before a token of a block, `attend_block`) with the read counters as they stand once the steps
+        before that token have run (a block changes nothing else of a stable group)."""
+        *rest, (ranked_pages, ranked_rows, _, _), carried = mark
+        return (*rest, (ranked_pages, ranked_rows, read_pages, read_rows), carried)
 
     # -- rollback (speculative decoding, `fc_hf/speculative.py`) -----------------------------------
     def mark(self) -> tuple:
         """This group's selection state and schedule now, with its store's mark (see `PagedKV.mark`)."""
         return (self.store.mark(), self.sel, self.pages_at_rank, self.pending, self.compacted, self.rankings,
                 len(self.promoted_fractions), self.rank_next, self._after_append,
-                (self.ranked_pages, self.ranked_rows, self.read_pages, self.read_rows))
+                (self.ranked_pages, self.ranked_rows, self.read_pages, self.read_rows), self.selector.carried)
 
     def restore(self, mark: tuple) -> None:
         store_mark, self.sel, self.pages_at_rank, self.pending, self.compacted, self.rankings, fractions, \
-            self.rank_next, self._after_append, counters = mark
+            self.rank_next, self._after_append, counters, self.selector.carried = mark
         self.ranked_pages, self.ranked_rows, self.read_pages, self.read_rows = counters
         self.store.restore(store_mark)
         del self.promoted_fractions[fractions:]
@@ -529,20 +427,10 @@ class HeadGroup:
         row_map = self.store.select_rows(batch_index)
         if self.sel is not None:
             self.sel = self.sel[row_map]
+        if self.selector.carried is not None:
+            self.selector.carried = tuple(t[row_map] for t in self.selector.carried)
         if self.selector.split is not None and self.selector.split_counts is not None:
             self.selector.split_counts = self.selector.split_counts[row_map]
         if self.pending is not None:
             self.pending = (self.pending[0][row_map], self.pending[1])
 
-
-def union_pages(pages: torch.Tensor, num_pages: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row's distinct pages: `pages [N, M]` (< `num_pages`) -> `(union [N, U], where [N, M])`, `union` ascending
-    (rows with fewer than U distinct pages padded with pages none of theirs) and `union.gather(1, where) == pages`.
-    U is read on the host (one sync on CUDA)."""
-    n = pages.shape[0]
-    present = torch.zeros(n, num_pages, dtype=torch.uint8, device=pages.device).scatter_(1, pages, 1)
-    u = int(present.sum(1).max())
-    union = torch.sort(present, dim=1, descending=True, stable=True).indices[:, :u].contiguous()
-    at = torch.empty(n, num_pages, dtype=torch.long, device=pages.device)
-    at.scatter_(1, union, torch.arange(u, device=pages.device).expand(n, u))
-    return union, at.gather(1, pages)

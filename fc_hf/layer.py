@@ -356,10 +356,9 @@ class FlexiCacheLayer(CacheLayerMixin):
 
         Several decode steps in one forward (speculative decoding): every query ranks, selects and attends as it would
         at its own step of plain decoding, including a stable head's re-rank among them, which the queries after it
-        see. Runs of steps without a stable re-rank attend together (`_block_plan`, `_attend_block`: their tokens
-        appended one at a time, then one set of ops per head group, each query masked past its own position and
-        ranking over its own step's pages); the rest, and everything `_block_plan` does not batch, one step at a
-        time, each token appended just before its query attends."""
+        see. In runs of steps without a stable re-rank (`_block_plan`, `_attend_block`) the stable groups read their
+        pages once for all the run's queries; everything else runs one step at a time, each token appended just before
+        its query attends."""
         self.pending = False
         block, self._block = self._block, None
         if block is None:
@@ -379,42 +378,37 @@ class FlexiCacheLayer(CacheLayerMixin):
                     self._decode_token(keys[:, :, j : j + 1], values[:, :, j : j + 1])
                     out[:, j : j + 1] = self._attend_step(query[:, :, j : j + 1], attention_mask, scaling, softcap)
                 continue
-            first = len(self._marks)
-            for j in range(start, end):
-                self._decode_token(keys[:, :, j : j + 1], values[:, :, j : j + 1])
-            out[:, start:end] = self._attend_block(query[:, :, start:end], scaling, first)
+            out[:, start:end] = self._attend_block(query[:, :, start:end], keys[:, :, start:end],
+                                                   values[:, :, start:end], scaling)
         return out
 
     def _block_plan(self, query: torch.Tensor, attention_mask, t: int, softcap) -> list[tuple[int, int, bool]]:
         """How `attend` runs a block of `t` decode tokens: `(start, end, batched)` spans in order. Batched spans
-        (`_attend_block`, one set of ops for their queries) are runs of >= 2 steps with no stable re-rank among them, where every group can attend so; the rest runs one step at a time, as plain decoding.
+        (`_attend_block`) are runs of >= 2 steps with no stable re-rank among them; the rest runs one step at a time,
+        as plain decoding.
 
-        Batched only where it is exact in semantics: PyTorch backend, one sequence without padding, no softcap, no
-        profile="auto", no variable pages, no streaming heads, unstable groups ranked every step by the Quest bound
-        with refinement over more pages than its candidates (`HeadGroup.can_attend_block`)."""
+        Batched only where it is exact in semantics and there is something to share: PyTorch backend, one sequence
+        without padding, no softcap, no profile="auto", no variable pages, stable groups that can read a block
+        (`HeadGroup.can_attend_block`)."""
         single = [(0, t, False)]
+        stable = [g for g in self.groups if g.kind == STABLE]
         if (not self.batched_verify or t < 2 or query.shape[0] != 1 or softcap is not None or self.owner.auto is not None
-                or not self.record_past or self.cfg.variable_pages
+                or not self.record_past or self.cfg.variable_pages or not stable
                 or kernels.backend_for(query, self.cfg.backend) != "torch"
-                or not all(g.can_attend_block() for g in self.groups)):
+                or not all(g.can_attend_block() for g in stable)):
             return single
         if self.owner.padding_info(attention_mask, self.length + t, self.cfg.page_size)[0] is not None:
             return single
-        p = self.cfg.page_size
-        need = max(g.block_pages_needed() for g in self.groups)
-        stable = [g for g in self.groups if g.kind == STABLE]
-        keys = []  # per step: its page count when it can be batched, else None
+        keys = []  # per step: whether it can be batched (no stable ranking at it; rank_next: first step only)
         for j in range(t):
-            step, length = self.steps + j + 1, self.length + j + 1
-            pages = -(-length // p)
-            due = any((g.rank_next and j == 0) or g.is_scheduled(step) for g in stable)  # rank_next: first step only
-            keys.append(None if due or pages < need else pages)
+            step = self.steps + j + 1
+            keys.append(not any((g.rank_next and j == 0) or g.is_scheduled(step) for g in stable))
         plan, start = [], 0
         while start < t:
             end = start + 1
-            while end < t and keys[end] is not None and keys[start] is not None:
+            while end < t and keys[end] and keys[start]:
                 end += 1
-            batched = keys[start] is not None and end - start >= 2
+            batched = keys[start] and end - start >= 2
             if plan and not batched and not plan[-1][2]:
                 plan[-1] = (plan[-1][0], end, False)
             else:
@@ -422,26 +416,37 @@ class FlexiCacheLayer(CacheLayerMixin):
             start = end
         return plan
 
-    def _attend_block(self, query: torch.Tensor, scaling: float, first_mark: int) -> torch.Tensor:
-        """The attention of `t` decode steps whose tokens were just appended (`_block_plan`), in one set of ops per
-        group: `query [1, Hq, t, D]` -> `[1, t, Hq, Dv]`. The marks taken before these tokens (from `first_mark` on) get
-        each group's schedule and counters as the single steps would have left them, so `crop` restores exactly."""
+    def _attend_block(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float):
+        """The attention of `t` decode steps (`_block_plan`): `query [1, Hq, t, D]`, their K/V `[1, H, t, D]` ->
+        `[1, t, Hq, Dv]`. Token j is appended, then the groups that rank at every step attend query j exactly as a
+        step does (`HeadGroup.attend`); once all are in, each stable group reads its pages once for the t queries
+        (`HeadGroup.attend_block`). The marks taken before these tokens get the stable groups' read counters as the
+        single steps would have left them, so `crop` restores exactly."""
         _, hq, t, d = query.shape
         g = hq // self.num_kv_heads
-        q = query[0].view(self.num_kv_heads, g, t, d).transpose(1, 2)  # [H, t, G, D]
-        lengths = torch.arange(self.length - t + 1, self.length + 1, device=query.device)
+        first = len(self._marks)
+        lengths = torch.arange(self.length + 1, self.length + t + 1, device=query.device)
         check = self.owner.residency_check_for(self.device)
         perm, spans, inverse = self._head_order()
+        q = query[0].view(self.num_kv_heads, g, t, d).transpose(1, 2)  # [H, t, G, D]
         q = (q if perm is None else q.index_select(0, perm)).contiguous()
         ordered = query.new_empty(self.num_kv_heads, t, g, self.value_dim)
-        afters = [group.attend_block(q[lo:hi], lengths, scaling, check, ordered[lo:hi])
-                  for group, (lo, hi) in zip(self.groups, spans)]
-        for i in range(t - 1):  # the mark before token i + 1: the state once step i has run
-            idx = first_mark + i + 1
-            if idx < len(self._marks):
-                length, steps, marks = self._marks[idx]
-                self._marks[idx] = (length, steps, [grp.patched_mark(mk, after(i))
-                                                    for grp, mk, after in zip(self.groups, marks, afters)])
+        stepwise = [(grp, lo, hi) for grp, (lo, hi) in zip(self.groups, spans) if grp.kind != STABLE]
+        for j in range(t):
+            self._decode_token(keys[:, :, j : j + 1], values[:, :, j : j + 1])
+            for grp, lo, hi in stepwise:
+                ordered[lo:hi, j] = grp.attend(q[lo:hi, j], self.steps, None, None, scaling, None, check)
+        for grp, (lo, hi) in zip(self.groups, spans):
+            if grp.kind != STABLE:
+                continue
+            at = self.groups.index(grp)
+            pages, rows = grp.read_pages, grp.read_rows
+            reads = grp.attend_block(q[lo:hi], lengths, scaling, check, ordered[lo:hi])
+            for i in range(t - 1):  # the mark before token i + 1: the counters once step i has run
+                length, steps, marks = self._marks[first + i + 1]
+                marks = list(marks)
+                marks[at] = grp.patched_mark(marks[at], pages + sum(reads[: i + 1]), rows + (i + 1) * (hi - lo))
+                self._marks[first + i + 1] = (length, steps, marks)
         out = ordered if inverse is None else ordered.index_select(0, inverse)
         return out.transpose(0, 1).reshape(1, t, hq, self.value_dim)
 
@@ -509,13 +514,19 @@ class FlexiCacheLayer(CacheLayerMixin):
             return
         k, v = self.dense_kv()
         self.groups = self._make_groups(unstable, set())
-        sel = None if warm.sel is None else warm.sel.view(self.batch, self.num_kv_heads, -1)
+
+        def rows(t, idx):  # a warm-up tensor's rows `[B * H, X]` of the heads `idx`
+            t = t.view(self.batch, self.num_kv_heads, -1)
+            return t.index_select(1, idx).reshape(-1, t.shape[-1])
+
+        carried = warm.selector.carried
         for group in self.groups:
             group.init_store(self.batch, self.head_dim, self.value_dim, self.dtype, self.device, self.owner.ledger)
             idx = group.head_index
             group.append(k.index_select(1, idx), v.index_select(1, idx))
-            if sel is not None:
-                group.adopt_selection(sel.index_select(1, idx).reshape(-1, sel.shape[-1]), warm.pages_at_rank)
+            if warm.sel is not None:
+                group.adopt_selection(rows(warm.sel, idx), warm.pages_at_rank,
+                                      None if carried is None else tuple(rows(t, idx) for t in carried))
         warm.store.free_device()
         warm.store = None
 

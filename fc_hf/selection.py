@@ -39,6 +39,8 @@ from .config import PAGE_SCORES
 
 POS_INF = float("inf")
 NEG_INF = float("-inf")
+# A carried page's score: above every bound, below the forced pages' +inf (it is a candidate, not a choice).
+CARRIED_SCORE = torch.finfo(torch.float32).max
 
 
 def head_bounds(query: torch.Tensor, meta: torch.Tensor, entries: int) -> torch.Tensor:
@@ -145,6 +147,14 @@ class PageSelector:
         # (chosen pages, their indices among the candidates, the candidates' logits [N, G, C, P]) of the last refined
         # ranking, for that step's attention (`take_logits`).
         self._chosen_logits: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        # Carried candidates, pages and scores `[N, 2 * carry]` (`FlexiCacheConfig.carry_pages`): the pages of most exact mass at the
+        # last refined ranking and the page after each. The next ranking's candidates always include them, whatever
+        # their bound: a head that reads a passage token by token (a copy head on a needle) keeps its page when a new
+        # query's loose bound drops it (docs/eval/misses.md). State of the group like its selection: marks, copies
+        # and row reorders carry it.
+        self.carry = cfg.carried_pages
+        self.carried: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._successor = self._raised = None  # constants of `_carry`
 
     def page_scores(
         self, query: torch.Tensor, meta: torch.Tensor, num_pages: int, page_valid: torch.Tensor | None, scaling: float
@@ -208,6 +218,8 @@ class PageSelector:
 
     def _refine(self, query, store, scores, scaling, token_valid, rows_per_batch):
         """Top-C candidates by score, then the K with the most exact attention mass among them (forced pages kept)."""
+        if self.carried is not None:
+            self._raise_carried(scores)
         # The candidates [N, C] and their scores (+inf: forced, kept first; -inf: all padding, kept last) in one op.
         cand_scores, cand = torch.topk(scores, min(self.refine, scores.shape[-1]), dim=-1, sorted=False)
         # `budget_mass` needs every candidate's own mass (forced ones too): the masses come without the forcing.
@@ -231,6 +243,8 @@ class PageSelector:
                                                             token_valid, rows_per_batch, workspace=self.workspace)
             mass = kernels.torch_backend.mass_from_logits(logits, store.page_size, forced,
                                                           padded=token_valid is not None)
+        if self.carry and not self.variable:
+            self._carry(cand, mass, scores.shape[-1])
         if self.variable:
             key = torch.where(torch.isinf(cand_scores), cand_scores, mass)
             if self.mass is not None:
@@ -249,6 +263,24 @@ class PageSelector:
             n, c = cand.shape
             self._chosen_logits = (chosen, top, logits.view(n, logits.shape[1], c, store.page_size))
         return chosen
+
+    def _raise_carried(self, scores: torch.Tensor) -> None:
+        """Scores of the carried pages up to `CARRIED_SCORE` in `scores [N, Np]` (in place), so they are candidates;
+        forced pages (+inf) stay forced, entries that carry nothing (-inf) change nothing."""
+        scores.scatter_reduce_(1, self.carried[0], self.carried[1], "amax")
+
+    def _carry(self, cand: torch.Tensor, mass: torch.Tensor, num_pages: int) -> None:
+        """Keep, for the next ranking, the `carry_pages` candidates of most mass, and the page after each (the last page
+        at most): `(pages [N, 2 * carry], scores)`, a score -inf where a row had fewer candidates of positive, finite
+        mass (neither forced nor all padding)."""
+        top = mass.nan_to_num(posinf=0.0, neginf=0.0).topk(min(self.carry, mass.shape[1]), dim=-1)
+        best = cand.gather(1, top.indices)[..., None]  # [N, carry, 1]
+        if self._successor is None:
+            self._successor = torch.arange(2, device=cand.device)
+            self._raised = torch.tensor([CARRIED_SCORE, NEG_INF], device=cand.device)
+        pages = (best + self._successor).clamp_(max=num_pages - 1).flatten(1)
+        score = torch.where(top.values[..., None] > 0, self._raised[0], self._raised[1]).expand(-1, -1, 2)
+        self.carried = (pages, score.flatten(1))
 
     def forget(self) -> None:
         """Drop the last ranking's logits (tokens were added since: they are no step's any more)."""

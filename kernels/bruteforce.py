@@ -157,26 +157,41 @@ def _page_masses(queries: list, keys: list, valid: list, page_size: int, scaling
 
 def refine_scores_bruteforce(
     query: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, scores: list[float], candidates: int, page_size: int,
-    scaling: float,
+    scaling: float, carried=(),
 ) -> list[float]:
     """`refine_pages`: the top-`candidates` pages by `scores` re-scored by their exact attention mass.
 
-    The mass of a candidate page is, averaged over the query heads, the share of the softmax (of
-    scaling * q.k over the attendable tokens of the candidate pages only) that falls on its tokens.
-    Forced pages (+inf) stay +inf and pages without an attendable token -inf; pages that are not
-    candidates score -inf (the selection is the top K of the result).
+    The pages in `carried` (the last ranking's, `carried_bruteforce`) come right after the forced pages (+inf) when the
+    candidates are taken, whatever their own score. The mass of a candidate page is, averaged over
+    the query heads, the share of the softmax (of scaling * q.k over the attendable tokens of the candidate pages
+    only) that falls on its tokens. Forced pages (+inf) stay +inf and pages without an attendable token -inf; pages
+    that are not candidates score -inf (the selection is the top K of the result).
     """
-    order = sorted(range(len(scores)), key=lambda i: scores[i], reverse=True)[:candidates]
+    def proposal(i):  # a carried page comes before every page that is not forced, all padding ones included
+        return (1, 0.0) if i in carried else (0, scores[i])
+
+    forced = [i for i in range(len(scores)) if scores[i] == math.inf]
+    rest = sorted((i for i in range(len(scores)) if scores[i] != math.inf), key=proposal, reverse=True)
+    order = (forced + rest)[:candidates]
     flags = valid.tolist()
     token_ok = [flags[i] and (i // page_size) in order for i in range(len(flags))]
     masses = _page_masses(query.tolist(), keys.tolist(), token_ok, page_size, scaling)
     out = [NEG_INF] * len(scores)
     for page in order:
-        if math.isinf(scores[page]):
+        if math.isinf(scores[page]) and (scores[page] > 0 or page not in carried):
             out[page] = scores[page]
         else:
             out[page] = sum(m[page] for m in masses) / len(masses)
     return out
+
+
+def carried_bruteforce(refined: list[float], carry: int) -> list[int]:
+    """The pages a ranking carries to the next one: of its `carry` candidates of largest exact mass, those whose mass
+    is positive and finite (neither forced nor all padding), and the page after each (the last page at most)."""
+    best = sorted(range(len(refined)), key=lambda i: refined[i] if not math.isinf(refined[i]) else 0.0,
+                  reverse=True)[:carry]
+    best = [i for i in best if not math.isinf(refined[i]) and refined[i] > 0]
+    return best + [min(i + 1, len(refined) - 1) for i in best]
 
 
 def top_scores_bruteforce(scores: list[float], k: int) -> list[float]:

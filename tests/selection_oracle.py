@@ -125,10 +125,12 @@ class Expected:
     def __init__(self):
         self.sel: list[list[int]] | None = None
         self.at_rank = 0
+        self.carried: dict[int, list[int]] = {}  # row -> pages its last refined ranking carries
 
     def reorder(self, rows: list[int]) -> None:
         if self.sel is not None:
             self.sel = [self.sel[r] for r in rows]
+        self.carried = {new: self.carried[old] for new, old in enumerate(rows) if old in self.carried}
 
 
 def _kinds(layer: int, kv_heads: int, unstable, streaming) -> dict[str, list[int]]:
@@ -243,7 +245,9 @@ def _check_group(cache, cfg, group, state, log, layer, step, query, out, valid, 
                 continue
             if cfg.candidate_pages and how != "exact" and len(scores) > k:
                 scores = bruteforce.refine_scores_bruteforce(q, keys_all[b, h], valid[b], scores, cfg.candidate_pages, p,
-                                                             scaling)
+                                                             scaling, state.carried.get(n, ()))
+                if cfg.carried_pages:
+                    state.carried[n] = bruteforce.carried_bruteforce(scores, cfg.carried_pages)
             assert_top_k(ranked[n], scores, k, f"{where} row {n}")
         new_sel = ranked
     for n, (b, h) in enumerate(rows):

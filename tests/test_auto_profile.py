@@ -99,12 +99,18 @@ def assert_same_state(auto: FlexiCache, ref: FlexiCache):
 
 
 PLANTED = ((0, 1), (1, 3), (2, 0))
+# The equality with a from-start cache holds where no ranking depends on history: every page is a candidate. With
+# fewer, each ranking also takes the pages the group's last ranking carried (`PageSelector.carried`), and a warm-up
+# group ranks every step where a from-start stable group ranks every R steps; the re-split groups adopt the warm-up's
+# carried pages (`test_resplit_groups_adopt_the_warmup_carried_pages`).
+EVERY_PAGE = 64
 
 
 @pytest.mark.parametrize("promotion", ["sync", "deferred"])
 def test_after_warmup_equals_a_cache_built_with_that_profile(promotion, no_grad):
     stream = Stream(planted=PLANTED, steps=48)
-    cfg = FlexiCacheConfig(page_size=4, token_budget=32, rerank_interval=4, warmup_steps=16, promotion=promotion)
+    cfg = FlexiCacheConfig(page_size=4, token_budget=32, rerank_interval=4, warmup_steps=16, promotion=promotion,
+                           refine_pages=EVERY_PAGE)
     auto = FlexiCache(stream.config, cfg, "auto")
     stream.run_prefill(auto)
     for step in range(1, 17):
@@ -131,6 +137,26 @@ def test_after_warmup_equals_a_cache_built_with_that_profile(promotion, no_grad)
     assert report["device_slots_in_use"] == ref_report["device_slots_in_use"]
     assert report["device_kv_bytes"] < report["dense_kv_bytes"]
     assert report["auto_classified_after_step"] == 16 and report["auto_unstable_heads"] == 3
+
+
+def test_resplit_groups_adopt_the_warmup_carried_pages(no_grad):
+    """At the re-split each new group takes its heads' rows of the warm-up group's carried pages (and selection)."""
+    stream = Stream(planted=PLANTED, steps=20)
+    cfg = FlexiCacheConfig(page_size=4, token_budget=32, rerank_interval=4, warmup_steps=16)
+    auto = FlexiCache(stream.config, cfg, "auto")
+    stream.run_prefill(auto)
+    for step in range(1, 17):
+        stream.run_step(step, auto)
+    warm = [(l.groups[0].selector.carried, l.groups[0].sel.clone()) for l in auto.flexi_layers]
+    assert all(c is not None and bool(torch.isfinite(c[1]).any()) for c, _ in warm)
+    stream.run_step(17, auto)  # the first layer classifies; every layer re-splits before attending
+    for layer, (carried, sel) in zip(auto.flexi_layers, warm):
+        assert len(layer.groups) == 2
+        for group in layer.groups:
+            rows = torch.tensor([b * 4 + h for b in range(2) for h in group.heads])
+            if group.kind == "stable":  # not ranked at step 17: still what it adopted
+                assert all(torch.equal(a, b[rows]) for a, b in zip(group.selector.carried, carried))
+                assert torch.equal(group.sel, sel[rows])
 
 
 def test_classification_equals_the_profilers_on_the_recorded_trace(no_grad):
@@ -174,7 +200,7 @@ def test_batch_reorder_through_the_warmup_boundary(no_grad):
     equals a from-start cache given the same reorders."""
     batch = 3
     stream = Stream(batch=batch, planted=PLANTED, steps=40, seed=1)
-    cfg = FlexiCacheConfig(page_size=4, token_budget=32, rerank_interval=4, warmup_steps=16)
+    cfg = FlexiCacheConfig(page_size=4, token_budget=32, rerank_interval=4, warmup_steps=16, refine_pages=EVERY_PAGE)
     reorders = {5: torch.tensor([2, 2, 0]), 11: torch.tensor([1, 0, 0]), 16: torch.tensor([0, 2, 1]),
                 17: torch.tensor([1, 1, 2]), 25: torch.tensor([2, 0, 0])}
     auto = FlexiCache(stream.config, cfg, "auto")
@@ -276,7 +302,8 @@ def test_tiny_model_logits_after_warmup_equal_the_profile_from_start(warmup, no_
     ids[1, :9], mask[1, :9] = 0, 0
     tokens = torch.randint(1, 97, (2, 40), generator=g)
     reorders = {6: torch.tensor([1, 1]), 17: torch.tensor([1, 0]), 23: torch.tensor([0, 0])}
-    cfg = FlexiCacheConfig(page_size=4, token_budget=32, rerank_interval=4, warmup_steps=warmup)
+    cfg = FlexiCacheConfig(page_size=4, token_budget=32, rerank_interval=4, warmup_steps=warmup,
+                           refine_pages=EVERY_PAGE)
     auto = FlexiCache(model.config, cfg, "auto")
     la = _teacher_forced(model, auto, ids, mask, 40, tokens, reorders)
     found = auto.profile_found()

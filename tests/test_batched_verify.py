@@ -1,6 +1,7 @@
 """Batched verification (issue 29, item 2): a forward of T decode tokens attends its queries in one set of ops per head
-group (`FlexiCacheLayer._block_plan` / `_attend_block`, `HeadGroup.attend_block`) where that is exact in semantics,
-and one step at a time otherwise (a stable re-rank inside the block, too few pages, padding, batch > 1, ...).
+group between its rankings (`FlexiCacheLayer._block_plan` / `_attend_block`, `HeadGroup.attend_block`) where that is
+exact in semantics, while the groups that rank at every step attend each query as a step does (`HeadGroup.attend`);
+one step at a time otherwise (a stable re-rank inside the block, padding, batch > 1, ...).
 
 Each test drives two caches with the same tokens: one batching its blocks, one running every block one step at a time
 (`batched_verify = False`, the loop). Their outputs agree to float rounding (atol 1e-5), and their states are identical
@@ -18,6 +19,7 @@ from test_speculative import CONFIGS, _forward, _generate, _mixed_profile, _pref
 from test_speculative import assert_crop_cycles_hold_memory, assert_same_state
 
 import fc_hf.head_group as head_group
+import fc_hf.layer as layer_module
 from fc_hf import FlexiCache, FlexiCacheConfig
 
 pytestmark = pytest.mark.usefixtures("no_grad")
@@ -27,15 +29,33 @@ ATOL = 1e-5
 
 @pytest.fixture
 def batched_calls(monkeypatch):
-    """Counts `HeadGroup.attend_block` calls per group kind (so a test knows the batched path ran)."""
+    """Counts, per group kind, the group attentions made inside a batched span of a block (`_attend_block`): a stable
+    group's `HeadGroup.attend_block`, and each step's `HeadGroup.attend` of a group that ranks at every step (so a test
+    knows the batched path ran)."""
     calls = {"stable": 0, "unstable": 0}
-    orig = head_group.HeadGroup.attend_block
+    inside = []
+    orig_block, orig_attend = layer_module.FlexiCacheLayer._attend_block, head_group.HeadGroup.attend
 
-    def counting(self, *args, **kwargs):
+    def block(self, *args, **kwargs):
+        inside.append(True)
+        try:
+            return orig_block(self, *args, **kwargs)
+        finally:
+            inside.pop()
+
+    def attend_block(self, *args, **kwargs):
         calls[self.kind] += 1
-        return orig(self, *args, **kwargs)
+        return orig_attend_block(self, *args, **kwargs)
 
-    monkeypatch.setattr(head_group.HeadGroup, "attend_block", counting)
+    def attend(self, *args, **kwargs):
+        if inside:
+            calls[self.kind] += 1
+        return orig_attend(self, *args, **kwargs)
+
+    orig_attend_block = head_group.HeadGroup.attend_block
+    monkeypatch.setattr(layer_module.FlexiCacheLayer, "_attend_block", block)
+    monkeypatch.setattr(head_group.HeadGroup, "attend_block", attend_block)
+    monkeypatch.setattr(head_group.HeadGroup, "attend", attend)
     return calls
 
 
@@ -57,7 +77,9 @@ def assert_same_marks(a, b):
                 sa, sb = ga[0], gb[0]
                 assert (sa[0], sa[4], sa[10], sa[11]) == (sb[0], sb[4], sb[10], sb[11])  # length, n_free, host, counters
                 assert (ga[1] is None) == (gb[1] is None) and (ga[1] is None or torch.equal(ga[1], gb[1]))  # selection
-                assert ga[2:] == gb[2:]  # pages at rank, pending, compacted, rankings, schedule, counters
+                assert ga[2:10] == gb[2:10]  # pages at rank, pending, compacted, rankings, schedule, counters
+                assert (ga[10] is None) == (gb[10] is None)
+                assert ga[10] is None or all(torch.equal(x, y) for x, y in zip(ga[10], gb[10]))  # carried pages
 
 
 def _run(cfg, seed, heads, kv_heads, transfers, longest=12, length=240, prompt=40):
@@ -214,20 +236,3 @@ def test_prompt_lookup_with_batched_blocks_gives_greedy_tokens(family, shape, na
 def test_other_configurations(cfg):
     _run(cfg, 1, 6, 2, lambda: nullcontext([]), length=160)
 
-
-@pytest.mark.parametrize("seed", range(5))
-def test_union_pages_against_brute_force(seed):
-    """`union_pages` (each head reads its block's candidate keys once): every row's distinct pages, ascending, padded
-    with pages none of the row's, and positions that give each entry back."""
-    g = torch.Generator().manual_seed(seed)
-    num_pages = int(torch.randint(4, 60, (1,), generator=g))
-    pages = torch.randint(0, num_pages, (3, int(torch.randint(1, 40, (1,), generator=g))), generator=g)
-    union, where = head_group.union_pages(pages, num_pages)
-    width = max(len(set(row.tolist())) for row in pages)
-    assert union.shape == (3, width)
-    assert torch.equal(union.gather(1, where), pages)
-    for row, mine in zip(pages, union):
-        distinct = sorted(set(row.tolist()))
-        assert mine[: len(distinct)].tolist() == distinct
-        assert not set(mine[len(distinct):].tolist()) & set(distinct)
-        assert len(set(mine.tolist())) == width

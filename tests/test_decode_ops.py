@@ -244,4 +244,6 @@ def test_plain_decode_step_ops_per_layer_stay_low():
     # 47 before issue 17, 21.0 before the mask bias and the output spans, 18.1 before stable groups read their
     # pages in place and groups of consecutive heads stopped being reordered.
     assert got["flexicache"] <= 14.1
-    assert got["default"] <= 19.1  # 26.5 before the refinement's candidate scores came from topk, then 22.6
+    # 26.5 before the refinement's candidate scores came from topk, then 22.6, then 19.1 before each refined ranking
+    # carried its best pages into the next one's candidates (issue 38: 8 small ops per ranking).
+    assert got["default"] <= 23.1

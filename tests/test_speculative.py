@@ -80,6 +80,8 @@ def assert_same_state(a, b, atol=0.0):
                     ga._after_append) == (gb.kind, gb.pages_at_rank, gb.rankings, gb.promoted_fractions, gb.rank_next,
                                           gb.compacted, gb._after_append)
             assert (ga.sel is None) == (gb.sel is None) and (ga.sel is None or torch.equal(ga.sel, gb.sel))
+            ca, cb = ga.selector.carried, gb.selector.carried  # the pages the next ranking carries
+            assert (ca is None) == (cb is None) and (ca is None or all(torch.equal(x, y) for x, y in zip(ca, cb)))
             assert ga.pending is None and gb.pending is None
             _assert_same_store(ga.store, gb.store, same)
 

@@ -1,0 +1,63 @@
+"""The confident-miss diagnosis (`flexicache eval misses`, `eval/misses.py`): its replay of a step reproduces the
+FlexiCache run it diagnoses, its `fresh` ranking is the cache's own, and its causes add up."""
+
+import pytest
+import torch
+from conftest import tiny_model
+
+from fc_hf import FlexiCache, FlexiCacheConfig, HeadProfile
+from fc_hf.eval import misses
+from fc_hf.eval.shared_prefill import dense_prefill, forced_decode
+
+pytestmark = pytest.mark.usefixtures("no_grad")
+
+
+def _run(carry_pages=None, steps=14):
+    model = tiny_model("llama", layers=2, heads=4, kv_heads=2)
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(1, 97, (150,), generator=g).tolist()
+    target = torch.randint(1, 97, (steps,), generator=g).tolist()
+    cfg = FlexiCacheConfig(page_size=4, token_budget=16, rerank_interval=4, carry_pages=carry_pages)
+    profile = HeadProfile.from_unstable(model.config, [(0, 1), (1, 0)])
+    prefill = dense_prefill(model, prompt)
+    cache = FlexiCache(model.config, cfg, profile)
+    logprobs, recorder = misses.flexicache_forced(model, prefill, cache, target)
+    return model, prefill, prompt, target, cache, logprobs, misses.StepReplay(model, cache, len(prompt), target, recorder)
+
+
+def test_replay_reproduces_the_run_and_dense_attention():
+    model, prefill, prompt, target, cache, logprobs, replay = _run()
+    for i in range(len(target)):  # every step, with the pages each head read, over the K/V the cache holds
+        assert torch.allclose(replay.logits(i, replay.actual(i)), logprobs[i], atol=1e-4), f"step {i}"
+    dense = torch.stack(list(forced_decode(model, prefill, "dense", None, target)))
+    # Step 0's K/V before it are the prompt's: exact attention there is dense decoding's step.
+    assert torch.allclose(replay.logits(0, replay.dense), dense[0], atol=1e-4)
+    assert not torch.allclose(logprobs[0], dense[0], atol=1e-4)  # the budget is sparse: the two differ
+
+
+def test_fresh_ranking_is_the_caches_own_and_causes_are_consistent():
+    *_, replay = _run(carry_pages=0)
+    checked = 0
+    for i in range(1, 14):
+        for row in misses.head_losses(replay, i):
+            assert -1e-5 <= row["actual"] <= 1 + 1e-5 and row["fresh"] <= row["oracle"] + 1e-5
+            assert all(v >= -1e-6 for v in row["loss"].values())
+            assert abs(row["loss"]["broad"] - (1 - row["oracle"])) < 1e-5
+            if row["ranked"]:  # ranked at this step: the diagnosis's ranking is exactly the one the cache made
+                assert row["fresh_is_actual"], (i, row["layer"], row["head"])
+                checked += 1
+            if row["kind"] == "stable" and not row["ranked"]:
+                assert row["loss"]["stale"] == pytest.approx(max(0.0, row["fresh"] - row["actual"]))
+    assert checked >= 13 * 2  # the two unstable heads at every step, the stable ones at their re-ranks
+
+
+def test_verdict_is_the_largest_loss_at_the_decisive_heads():
+    heads = [{"layer": 0, "head": 0, "loss": {"stale": 0.1, "bound miss": 0.4, "outranked": 0.0, "broad": 0.2}},
+             {"layer": 1, "head": 1, "loss": {"stale": 0.9, "bound miss": 0.0, "outranked": 0.0, "broad": 0.0}}]
+    step = {"dense": {"top1_is_dense": True}, "heads_to_flip": 1, "heads": heads,
+            "head_gain": [{"layer": 0, "head": 0, "gain": 5.0}, {"layer": 1, "head": 1, "gain": 0.1}]}
+    assert misses.verdict(step) == "bound miss"  # head (1, 1) lost more, but flipping needs only head (0, 0)
+    step["heads_to_flip"] = None  # 12 did not flip it: the 3 of largest gain
+    assert misses.verdict(step) == "stale"
+    step["dense"]["top1_is_dense"] = False
+    assert misses.verdict(step) == "earlier tokens"
