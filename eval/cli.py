@@ -111,6 +111,9 @@ def _ruler_options(r):
     r.add_argument("--limit", type=int, default=4, help="samples per task (0: all)")
     r.add_argument("--cache-options", default=None,
                    help="FlexiCacheConfig fields for every method, e.g. page_size=8 (names the run folders)")
+    r.add_argument("--essay-haystack", choices=("hub", "kjv"), default="hub",
+                   help="haystack of the essay tasks (niah_single_2/3, niah_multikey_1): Paul Graham's essays from the "
+                        "hub, or the bundled King James Bible (offline)")
     r.add_argument("--per-method-prefill", action="store_true",
                    help="run each method through lm-eval's own loop (one prefill per method) instead of sharing one "
                         "dense prefill per sample")
@@ -171,6 +174,8 @@ def _misses_options(m):
     m.add_argument("--profile", default=None, help="head profile (default: the bundled one)")
     m.add_argument("--cache-options", default=None, help="FlexiCacheConfig fields, e.g. rerank_interval=8")
     m.add_argument("--dtype", default="float32", choices=list(DTYPES))
+    m.add_argument("--versus", default=None, choices=list(DTYPES),
+                   help="compare dense decoding in this dtype instead of FlexiCache (the noise floor), no diagnosis")
     m.add_argument("--out", default="results/misses/misses.jsonl", help="one JSON line per case (resumed); .md beside")
     m.add_argument("--threads", type=int, default=None, help="torch threads")
 
@@ -209,7 +214,7 @@ def _ruler(args, common):
 
     return run_ruler(args.model, args.tasks, seq_lengths=args.lengths, limit=args.limit or None,
                      shared_prefill=not args.per_method_prefill, cache_options=parse_cache_options(args.cache_options),
-                     **common)
+                     essay_haystack=args.essay_haystack, **common)
 
 
 def _longbench(args, common):
@@ -333,8 +338,8 @@ def _misses(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     rows = run_misses(args.model, args.sources, args.out, parse_cache_options(args.cache_options), args.budget,
-                      args.profile, args.dtype, args.leval_data, args.prompt_tokens, args.new_tokens)
-    text = misses_markdown(rows, f"{args.model}, budget {args.budget}")
+                      args.profile, args.dtype, args.leval_data, args.prompt_tokens, args.new_tokens, args.versus)
+    text = misses_markdown(rows, f"{args.model}, " + (f"dense {args.versus}" if args.versus else f"budget {args.budget}"))
     Path(args.out).with_suffix(".md").write_text(text + "\n")
     print(text)
     return 0

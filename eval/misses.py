@@ -350,8 +350,8 @@ def verdict(step: dict) -> str:
 # -- cases -------------------------------------------------------------------------------------------------------------
 def cases_for(sources: Sequence[str], tokenizer, model_folder, *, leval_data=None, prompt_tokens: int = 4096,
               new_tokens: int = 64) -> list[Case]:
-    """Cases from source specs: `demo` (the demo's document and question, 24 tokens), `ruler:TASK:LENGTH:SAMPLE`
-    (lm-eval's RULER prompt), `leval:TASK:INDEX` (the harness's L-Eval prompt cut to `prompt_tokens`, `new_tokens`),
+    """Cases from source specs: `demo` (the demo's document and question, 24 tokens), `ruler:TASK:LENGTH:SAMPLE[:kjv]`
+    (lm-eval's RULER prompt; `kjv`: an essay task on the King James Bible), `leval:TASK:INDEX` (the harness's L-Eval prompt cut to `prompt_tokens`, `new_tokens`),
     `kjv:OFFSET` (`prompt_tokens` of King James text teacher-forced on its next `new_tokens`)."""
     cases = []
     for source in sources:
@@ -393,9 +393,10 @@ def _ruler_case(source, rest, tokenizer, model_folder) -> Case:
     from .ruler import answer_stop, ruler_samples
 
     task, length, sample = rest[0], int(rest[1]), int(rest[2])
+    haystack = rest[3] if len(rest) > 3 else "hub"  # ruler:TASK:LENGTH:SAMPLE:kjv (an essay task, offline)
     lm = FlexiCacheLM(pretrained=_ruler_case.model, tokenizer=tokenizer, method="dense", batch_size=1,
                       max_length=length + 512)
-    _, samples = ruler_samples(task, length, sample + 1, model_folder)
+    _, samples = ruler_samples(task, length, sample + 1, model_folder, haystack)
     s = samples[sample]
     kwargs = normalize_gen_kwargs(dict(s.gen_kwargs), lm.max_gen_toks)
     eos = lm.tok_decode(lm.eot_token_id, skip_special_tokens=False)
@@ -408,55 +409,70 @@ def _ruler_case(source, rest, tokenizer, model_folder) -> Case:
 
 
 # -- one case ----------------------------------------------------------------------------------------------------------
-def diagnose_case(model, case: Case, cfg: FlexiCacheConfig, profile, log=print) -> dict:
-    """Teacher-force `case` through dense and FlexiCache; diagnose every confident miss."""
+def diagnose_case(model, case: Case, cfg: FlexiCacheConfig, profile, log=print, versus=None) -> dict:
+    """Teacher-force `case` through dense and FlexiCache; diagnose every confident miss. With `versus` (the model in
+    another dtype, e.g. bf16) that model's dense decoding takes FlexiCache's place, without a diagnosis: how a
+    rounding-sized perturbation parts from the reference."""
     from fc_hf.cache import FlexiCache
+
+    from .shared_prefill import forced_decode
 
     prefill = dense_prefill(model, case.prompt_ids)
     target = case.target
     if target is None:
         target = greedy_decode(model, prefill, "dense", None, case.new_tokens, case.stop)
-    from .shared_prefill import forced_decode
-
     dense = torch.stack([torch.log_softmax(prefill.logits.float(), -1)]
                         + list(forced_decode(model, prefill, "dense", None, target[:-1])))
-    cache = FlexiCache(model.config, cfg, profile)
-    flexi, recorder = flexicache_forced(model, prefill, cache, target[:-1])
+    cache = None
+    if versus is None:
+        cache = FlexiCache(model.config, cfg, profile)
+        other, recorder = flexicache_forced(model, prefill, cache, target[:-1])
+    else:
+        other_prefill = dense_prefill(versus, case.prompt_ids)
+        other = torch.stack(list(forced_decode(versus, other_prefill, "dense", None, target[:-1])))
     d_top, d_margin = step_margins(dense)
-    f_top = [d_top[0]] + step_margins(flexi)[0]  # step 0 predicts from the prefill, dense and exact for both
-    parts = [s for s in range(len(target)) if f_top[s] != d_top[s]]
-    row = {"case": case.name, "prompt_tokens": len(case.prompt_ids), "steps": len(target), "target": target,
-           "dense_margin": d_margin, "flexicache_top1": f_top, "dense_top1": d_top,
-           "first_part": parts[0] if parts else None,
-           "first_part_margin": d_margin[parts[0]] if parts else None, "misses": []}
-    confident = [s for s in parts if d_margin[s] >= CONFIDENT]
-    if confident:
+    # Step 0 predicts from the prefill: dense for FlexiCache too (exact), the other dtype's own prefill with `versus`.
+    first = d_top[0] if versus is None else int(other_prefill.logits.argmax())
+    o_top = [first] + step_margins(other)[0]
+    parts = [s for s in range(len(target)) if o_top[s] != d_top[s]]
+    row = {"case": case.name, "method": "flexicache" if versus is None else f"dense-{next(versus.parameters()).dtype}",
+           "prompt_tokens": len(case.prompt_ids), "steps": len(target), "target": target, "dense_margin": d_margin,
+           "method_top1": o_top, "dense_top1": d_top, "first_part": parts[0] if parts else None,
+           "first_part_margin": d_margin[parts[0]] if parts else None,
+           "confident_parts": [s for s in parts if d_margin[s] >= CONFIDENT], "misses": []}
+    if cache is not None and row["confident_parts"]:
         replay = StepReplay(model, cache, len(case.prompt_ids), target[:-1], recorder)
-        for s in confident:
+        for s in row["confident_parts"]:
             i = s - 1  # prediction s comes from decode step i (fed target[i])
-            step = diagnose_step(replay, i, d_top[s], f_top[s])
-            step.update({"step": s, "dense_token": d_top[s], "flexicache_token": f_top[s], "margin": d_margin[s]})
+            step = diagnose_step(replay, i, d_top[s], o_top[s])
+            step.update({"step": s, "dense_token": d_top[s], "flexicache_token": o_top[s], "margin": d_margin[s]})
             step["verdict"] = verdict(step)
             row["misses"].append(step)
             log(f"  {case.name} step {s}: margin {d_margin[s]:.2f}, {step['verdict']}; "
-                f"replay top-1 {'ok' if step['replay_top1'] == f_top[s] else 'DIFFERS'}")
-    cache.release()
+                f"replay top-1 {'ok' if step['replay_top1'] == o_top[s] else 'DIFFERS'}")
+    if cache is not None:
+        cache.release()
     return row
 
 
 def run_misses(model_name: str, sources: Sequence[str], out: str | Path, cache_options: dict | None = None,
                budget: int = 1024, profile_arg: str | None = None, dtype: str = "float32", leval_data=None,
-               prompt_tokens: int = 4096, new_tokens: int = 64, log=print) -> list[dict]:
-    """Every case of `sources` (resumable: one JSON line per case in `out`); returns the rows."""
+               prompt_tokens: int = 4096, new_tokens: int = 64, versus: str | None = None, log=print) -> list[dict]:
+    """Every case of `sources` (resumable: one JSON line per case in `out`); returns the rows. `versus` (a dtype):
+    dense decoding in that dtype instead of FlexiCache (the noise floor's partings)."""
     from .loading import load_model
     from .methods import prepare_model
     from .profile_choice import resolve_profile
 
     model, tok, folder = load_model(model_name, dtype)
     prepare_model(model, "flexicache")
+    other = None
+    if versus is not None:
+        other = prepare_model(load_model(model_name, versus)[0], "dense")
     _ruler_case.model = model
     cfg = FlexiCacheConfig(**{"token_budget": budget, **(cache_options or {})})
-    log(f"misses: {model_name}, budget {budget}, options {cache_options or {}}")
+    log(f"misses: {model_name}, " + (f"dense {versus} vs {dtype}" if versus else
+                                       f"budget {budget}, options {cache_options or {}}"))
     path = Path(out)
     path.parent.mkdir(parents=True, exist_ok=True)
     rows = [json.loads(l) for l in path.read_text().splitlines() if l.strip()] if path.exists() else []
@@ -465,7 +481,7 @@ def run_misses(model_name: str, sources: Sequence[str], out: str | Path, cache_o
                           prompt_tokens=prompt_tokens, new_tokens=new_tokens):
         # The profile the case's own evaluation runs with (made without its task's material; the demo's: bundled).
         profile, note = resolve_profile(model_name, model.config, case.meta.get("task", case.name), profile_arg)
-        row = diagnose_case(model, case, cfg, profile, log)
+        row = diagnose_case(model, case, cfg, profile, log, other)
         row["profile_note"] = note
         rows.append(row)
         with path.open("a") as f:
@@ -478,9 +494,13 @@ def misses_markdown(rows: Sequence[dict], title: str = "") -> str:
     """Per-case first parting and confident misses; over every confident miss, the lost mass by cause and layer."""
     parted = [r for r in rows if r["first_part"] is not None]
     near = sum(r["first_part_margin"] < CONFIDENT for r in parted)
+    steps = sum(r["steps"] for r in rows)
+    sure = sum(m >= CONFIDENT for r in rows for m in r["dense_margin"])
     lines = [f"### {title}" if title else "", "",
              f"{len(rows)} cases, {len(parted)} part from dense; at the first parting dense's margin is below "
-             f"{CONFIDENT:g} nats in {near} of {len(parted)}.", "",
+             f"{CONFIDENT:g} nats in {near} of {len(parted)}. Over all {steps} teacher-forced steps: top-1 = dense's at "
+             f"{sum(a == b for r in rows for a, b in zip(r['method_top1'], r['dense_top1']))}; of the {sure} steps where "
+             f"dense's margin is >= {CONFIDENT:g}, {sum(len(r['confident_parts']) for r in rows)} differ.", "",
              "| case | steps | first parting (step, dense margin) | confident misses: step, margin, verdict, heads to flip |",
              "|---|---|---|---|"]
     misses = []

@@ -11,7 +11,9 @@ each method through `lm_eval.simple_evaluate`, one prefill per method).
 
 from __future__ import annotations
 
+import re
 import time
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -24,10 +26,14 @@ from .profile_choice import resolve_profile
 from .results import RunDir, finished_metrics, progress, run_folder, run_name
 from .shared_prefill import dense_prefill, eos_token_ids, greedy_decode
 
-__all__ = ["RULER_TASKS", "RulerSample", "ruler_samples", "answer_stop", "run_ruler", "run_ruler_shared",
-           "run_ruler_lm_eval"]
+__all__ = ["RULER_TASKS", "ESSAY_TASKS", "RulerSample", "ruler_samples", "kjv_essays", "answer_stop", "run_ruler",
+           "run_ruler_shared", "run_ruler_lm_eval"]
 
-RULER_TASKS = ("niah_single_1", "niah_multikey_2", "niah_multikey_3", "ruler_vt", "ruler_cwe", "ruler_fwe")
+# Needle tasks whose haystack is Paul Graham's essays, a hub dataset (`baber/paul_graham_essays`): offline they run
+# with the bundled King James Bible in its place (`kjv_essays`, `--essay-haystack kjv`).
+ESSAY_TASKS = ("niah_single_2", "niah_single_3", "niah_multikey_1")
+RULER_TASKS = ("niah_single_1", *ESSAY_TASKS, "niah_multikey_2", "niah_multikey_3", "ruler_vt", "ruler_cwe",
+               "ruler_fwe")
 
 
 @dataclass
@@ -38,8 +44,37 @@ class RulerSample:
     gen_kwargs: dict[str, Any]
 
 
-def ruler_samples(task: str, length: int, limit: int | None, tokenizer_folder: str | Path):
-    """lm-eval's task object and its first `limit` samples at `length` tokens.
+ESSAYS_HUB_ID = "baber/paul_graham_essays"
+
+
+@contextmanager
+def kjv_essays():
+    """lm-eval's RULER generators with the bundled King James Bible as their "essay" haystack (lm-eval splits it into
+    words as it splits the essays), and sentences split at `.`, `!` or `?` followed by a space where lm-eval asks
+    nltk's punkt (a download): the needles, keys, values, depths and templates stay lm-eval's own."""
+    import datasets
+    from lm_eval.tasks.ruler import prepare_niah
+
+    from fc_hf.assets.text import kjv_text
+
+    load, split = datasets.load_dataset, prepare_niah.cached_sent_tokenize
+
+    def essays(path, *args, **kwargs):
+        return {"text": [kjv_text()]} if path == ESSAYS_HUB_ID else load(path, *args, **kwargs)
+
+    datasets.load_dataset = essays
+    prepare_niah.cached_sent_tokenize = lambda text: re.split(r"(?<=[.!?])\s+", text)
+    prepare_niah.get_haystack.cache_clear()  # lm-eval keeps one haystack per process
+    try:
+        yield
+    finally:
+        datasets.load_dataset, prepare_niah.cached_sent_tokenize = load, split
+        prepare_niah.get_haystack.cache_clear()
+
+
+def ruler_samples(task: str, length: int, limit: int | None, tokenizer_folder: str | Path, haystack: str = "hub"):
+    """lm-eval's task object and its first `limit` samples at `length` tokens; `haystack="kjv"`: an essay task's
+    haystack is the King James Bible (`kjv_essays`).
 
     RULER's generators draw from the global `random` module, so the samples depend on its state: seed
     it as `lm_eval.simple_evaluate` does by default, which gives every method — and the plain lm-eval
@@ -57,8 +92,9 @@ def ruler_samples(task: str, length: int, limit: int | None, tokenizer_folder: s
     torch.manual_seed(DEFAULT_OTHER_SEED)
 
     manager = TaskManager(metadata={"max_seq_lengths": [int(length)], "tokenizer": str(tokenizer_folder)})
-    task_obj = get_task_dict([task], manager)[task]
-    task_obj.build_all_requests(limit=limit, rank=0, world_size=1)
+    with kjv_essays() if haystack == "kjv" and task in ESSAY_TASKS else nullcontext():
+        task_obj = get_task_dict([task], manager)[task]
+        task_obj.build_all_requests(limit=limit, rank=0, world_size=1)
     samples = [RulerSample(inst.doc_id, inst.doc, inst.args[0], dict(inst.args[1])) for inst in task_obj.instances]
     return task_obj, sorted(samples, key=lambda s: s.doc_id)
 
@@ -78,11 +114,12 @@ def answer_stop(lm, until: Sequence[str], eos_ids: set[int]):
 def run_ruler_shared(
     model_name: str, tasks: Sequence[str], methods: Sequence[str], budgets: Sequence[int], out: str | Path,
     seq_lengths: Sequence[int] = (4096,), limit: int | None = 4, profile_arg: str | None = None,
-    dtype: str = "float32", model_bundle=None, cache_options: dict | None = None,
+    dtype: str = "float32", model_bundle=None, cache_options: dict | None = None, essay_haystack: str = "hub",
 ) -> dict[str, dict]:
     """Every (task, length) x (method, budget) of RULER, resumable per sample; returns {key: metrics}.
 
     `cache_options` (e.g. `{"page_size": 8}`) set `FlexiCacheConfig` fields for every method and name the folders.
+    `essay_haystack="kjv"`: the essay tasks run on the King James Bible (`kjv_essays`; their settings end in "-kjv").
     """
     from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
 
@@ -99,13 +136,15 @@ def run_ruler_shared(
         profile, note = resolve_profile(model_name, model.config, task, profile_arg)
         for length in seq_lengths:
             lm = lms[length]
-            task_obj, samples = ruler_samples(task, length, limit, folder)
-            setting = f"{task}-{length}"
+            kjv = essay_haystack == "kjv" and task in ESSAY_TASKS
+            task_obj, samples = ruler_samples(task, length, limit, folder, essay_haystack)
+            setting = f"{task}-{length}" + ("-kjv" if kjv else "")
             runs = {}
             for method, budget in method_runs(methods, budgets):
                 cfg = {"bench": "ruler", "model": Path(model_name).name, "setting": setting, "task": task,
                        "seq_length": int(length), "limit": limit, "dtype": dtype, "method": method, "budget": budget,
                        "generation": "shared-prefill", "cache_defaults": cache_defaults(base),
+                       "haystack": "kjv" if kjv else "lm-eval's",
                        "cache_options": cache_options or None,
                        "profile_note": note if method == "flexicache" else None}
                 folder_name = run_folder(method, budget, cache_options)
@@ -145,6 +184,7 @@ def run_ruler(
     model_name: str, tasks: Sequence[str], methods: Sequence[str], budgets: Sequence[int], out: str | Path,
     seq_lengths: Sequence[int] = (4096,), limit: int | None = 4, profile_arg: str | None = None,
     dtype: str = "float32", model_bundle=None, shared_prefill: bool = True, cache_options: dict | None = None,
+    essay_haystack: str = "hub",
 ) -> dict[str, dict]:
     """lm-eval's offline RULER tasks for each method.
 
@@ -154,9 +194,9 @@ def run_ruler(
     """
     if shared_prefill:
         return run_ruler_shared(model_name, tasks, methods, budgets, out, seq_lengths, limit, profile_arg, dtype,
-                                model_bundle, cache_options)
-    if cache_options:
-        raise ValueError("cache options need the shared-prefill route; drop --per-method-prefill.")
+                                model_bundle, cache_options, essay_haystack)
+    if cache_options or essay_haystack != "hub":
+        raise ValueError("cache options and --essay-haystack need the shared-prefill route; drop --per-method-prefill.")
     return run_ruler_lm_eval(model_name, tasks, methods, budgets, out, seq_lengths, limit, profile_arg, dtype,
                              model_bundle)
 

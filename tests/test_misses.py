@@ -61,3 +61,16 @@ def test_verdict_is_the_largest_loss_at_the_decisive_heads():
     assert misses.verdict(step) == "stale"
     step["dense"]["top1_is_dense"] = False
     assert misses.verdict(step) == "earlier tokens"
+
+
+def test_versus_another_dtype_compares_dense_decodings():
+    model = tiny_model("llama", layers=2, heads=4, kv_heads=2)
+    other = tiny_model("llama", layers=2, heads=4, kv_heads=2).to(torch.bfloat16)
+    other.set_attn_implementation("sdpa")
+    g = torch.Generator().manual_seed(1)
+    case = misses.Case("random", torch.randint(1, 97, (80,), generator=g).tolist(),
+                       torch.randint(1, 97, (10,), generator=g).tolist())
+    row = misses.diagnose_case(model, case, FlexiCacheConfig(page_size=4, token_budget=16), None, versus=other)
+    assert row["method"] == "dense-torch.bfloat16" and row["misses"] == [] and len(row["method_top1"]) == 10
+    same = misses.diagnose_case(model, case, FlexiCacheConfig(page_size=4, token_budget=16), None, versus=model)
+    assert same["first_part"] is None and same["method_top1"] == same["dense_top1"]  # the model against itself
