@@ -65,7 +65,7 @@ def _fidelity_options(f):
     f.add_argument("--kinds", type=_csv(), default=["continue", "recall"])
     f.add_argument("--free-run", type=int, default=64, help="greedy tokens for the free-running agreement (0: off)")
     f.add_argument("--cache-options", default=None,
-                   help="FlexiCacheConfig fields for every method, e.g. dense_layers=0:1 (names the run folders)")
+                   help="FlexiCacheConfig fields for every method, e.g. carry_pages=0 (names the run folders)")
 
 
 def _freerun_options(f):
@@ -172,10 +172,11 @@ def _misses_options(m):
     m.add_argument("--new-tokens", type=int, default=64, help="dense's answer (leval:) or forced text (kjv:) tokens")
     m.add_argument("--budget", type=int, default=1024)
     m.add_argument("--profile", default=None, help="head profile (default: the bundled one)")
-    m.add_argument("--cache-options", default=None, help="FlexiCacheConfig fields, e.g. rerank_interval=8")
+    m.add_argument("--variants", default="default",
+                   help='semicolon list of what to compare with dense: "default" (the default FlexiCache), FlexiCacheConfig '
+                        'fields on top of it (e.g. carry_pages=0), or dense-bfloat16 (dense in another dtype: the noise '
+                        'floor, no diagnosis); e.g. "default;carry_pages=0;dense-bfloat16"')
     m.add_argument("--dtype", default="float32", choices=list(DTYPES))
-    m.add_argument("--versus", default=None, choices=list(DTYPES),
-                   help="compare dense decoding in this dtype instead of FlexiCache (the noise floor), no diagnosis")
     m.add_argument("--out", default="results/misses/misses.jsonl", help="one JSON line per case (resumed); .md beside")
     m.add_argument("--threads", type=int, default=None, help="torch threads")
 
@@ -337,9 +338,11 @@ def _misses(args) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    rows = run_misses(args.model, args.sources, args.out, parse_cache_options(args.cache_options), args.budget,
-                      args.profile, args.dtype, args.leval_data, args.prompt_tokens, args.new_tokens, args.versus)
-    text = misses_markdown(rows, f"{args.model}, " + (f"dense {args.versus}" if args.versus else f"budget {args.budget}"))
+    variants = [v if v.startswith("dense-") else parse_cache_options("" if v == "default" else v)
+                for v in args.variants.split(";") if v.strip()]
+    rows = run_misses(args.model, args.sources, args.out, variants, args.budget, args.profile, args.dtype,
+                      args.leval_data, args.prompt_tokens, args.new_tokens)
+    text = misses_markdown(rows, f"{args.model}, budget {args.budget}")
     Path(args.out).with_suffix(".md").write_text(text + "\n")
     print(text)
     return 0

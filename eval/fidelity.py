@@ -236,7 +236,7 @@ def run_fidelity(
 
     Tasks are the outer loop so that dense log-probs are computed once per task and shared by all
     methods; every (method, budget) has its own results folder. `cache_options` (e.g.
-    `{"dense_layers": (0, 1)}`) set `FlexiCacheConfig` fields for every method and name the folders.
+    `{"carry_pages": 0}`) set `FlexiCacheConfig` fields for every method and name the folders.
     """
     model, tok, _ = model_bundle or load_model(model_name, dtype)
     tasks = make_tasks(tok, kinds, prompt_tokens, forced_tokens, distances, offsets, text_tokens=text_tokens)

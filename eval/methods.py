@@ -194,12 +194,12 @@ def method_runs(methods: Sequence[str], budgets: Sequence[int]) -> list[tuple[st
 
 
 def parse_cache_options(text: str | None) -> dict[str, Any]:
-    """"dense_layers=0:1,rerank_interval=8" -> {"dense_layers": (0, 1), "rerank_interval": 8}: `FlexiCacheConfig`
+    """"carry_pages=0,rerank_interval=8" -> {"carry_pages": 0, "rerank_interval": 8}: `FlexiCacheConfig`
     fields set for every method of a run (`base` of `make_cache`)."""
     options: dict[str, Any] = {}
     for item in filter(None, (text or "").split(",")):
         key, _, value = item.partition("=")
-        if ":" in value or key.strip() in ("dense_layers",):
+        if ":" in value:
             options[key.strip()] = tuple(int(v) for v in value.split(":") if v)
         else:
             try:

@@ -40,10 +40,10 @@ import torch
 from fc_hf.compat import cache_kwargs
 from fc_hf.config import FlexiCacheConfig
 
-from .shared_prefill import dense_prefill, greedy_decode, load_prefill
+from .shared_prefill import load_prefill
 
-__all__ = ["CONFIDENT", "Case", "StepRecorder", "step_margins", "diagnose_case", "cases_for", "run_misses",
-           "misses_markdown"]
+__all__ = ["CONFIDENT", "Case", "StepRecorder", "step_margins", "dense_reference", "compare_case", "cases_for",
+           "run_misses", "misses_markdown"]
 
 CONFIDENT = 2.0  # nats between dense's top two tokens: above it dense is sure
 CAUSES = ("stale", "bound miss", "outranked", "broad")
@@ -84,7 +84,7 @@ class StepRecorder:
         if layer is not None:
             pages, ranked = [None] * layer.num_kv_heads, [False] * layer.num_kv_heads
             for group, count in zip(layer.groups, before):
-                read = group.pages_read().cpu()
+                read = group.last_read.cpu()
                 for i, h in enumerate(group.heads):
                     pages[h] = read[i][read[i] >= 0]
                     ranked[h] = group.rankings > count
@@ -166,7 +166,7 @@ def fresh_selection(cfg: FlexiCacheConfig, q: torch.Tensor, k: torch.Tensor, v: 
     store.append(k[None], v[None])
     selector = PageSelector(cfg)
     query = q.to(k.dtype)
-    scores = selector.scores(query, store, None, scaling)
+    scores = selector.scores(query, store, None)
     cand = torch.topk(scores, min(cfg.candidate_pages or scores.shape[-1], scores.shape[-1]), dim=-1).indices
     chosen = selector.select(scores, query, store, scaling, None, h)
     return list(chosen), list(cand)
@@ -409,35 +409,46 @@ def _ruler_case(source, rest, tokenizer, model_folder) -> Case:
 
 
 # -- one case ----------------------------------------------------------------------------------------------------------
-def diagnose_case(model, case: Case, cfg: FlexiCacheConfig, profile, log=print, versus=None) -> dict:
-    """Teacher-force `case` through dense and FlexiCache; diagnose every confident miss. With `versus` (the model in
-    another dtype, e.g. bf16) that model's dense decoding takes FlexiCache's place, without a diagnosis: how a
-    rounding-sized perturbation parts from the reference."""
+@torch.inference_mode()
+def dense_reference(model, prefill, case: Case) -> tuple[list[int], torch.Tensor]:
+    """`(target, log-probs [S, V])`: the case's forced tokens (dense's greedy answer when it has none) and dense's
+    prediction of each from the tokens before it, the first from the prefill."""
+    from .shared_prefill import forced_decode
+
+    first = torch.log_softmax(prefill.logits.float(), -1)
+    if case.target is not None:
+        return case.target, torch.stack([first] + list(forced_decode(model, prefill, "dense", None, case.target[:-1])))
+    cache = load_prefill(prefill, None, model, "dense")
+    device = next(model.parameters()).device
+    target, logprobs = [int(first.argmax())], [first]
+    while len(target) < case.new_tokens and not (case.stop and case.stop(target)):
+        out = model(input_ids=torch.tensor([[target[-1]]], device=device), use_cache=True, **cache_kwargs(model, cache))
+        logprobs.append(torch.log_softmax(out.logits[0, -1].float(), -1))
+        target.append(int(logprobs[-1].argmax()))
+    return target, torch.stack(logprobs)
+
+
+def compare_case(model, case: Case, prefill, target, dense, cfg, profile, log=print, versus=None) -> dict:
+    """One method teacher-forced on `target` against dense's log-probs `dense [S, V]`: where its top-1 parts from
+    dense's, and a diagnosis of every confident miss. `versus` (`(model, prefill)` in another dtype, e.g. bf16): that
+    model's dense decoding takes FlexiCache's place, without a diagnosis (how a rounding-sized perturbation parts)."""
     from fc_hf.cache import FlexiCache
 
     from .shared_prefill import forced_decode
 
-    prefill = dense_prefill(model, case.prompt_ids)
-    target = case.target
-    if target is None:
-        target = greedy_decode(model, prefill, "dense", None, case.new_tokens, case.stop)
-    dense = torch.stack([torch.log_softmax(prefill.logits.float(), -1)]
-                        + list(forced_decode(model, prefill, "dense", None, target[:-1])))
     cache = None
     if versus is None:
         cache = FlexiCache(model.config, cfg, profile)
         other, recorder = flexicache_forced(model, prefill, cache, target[:-1])
+        first = int(dense[0].argmax())  # step 0 predicts from the prefill: dense for FlexiCache too (exact)
     else:
-        other_prefill = dense_prefill(versus, case.prompt_ids)
-        other = torch.stack(list(forced_decode(versus, other_prefill, "dense", None, target[:-1])))
+        other = torch.stack(list(forced_decode(versus[0], versus[1], "dense", None, target[:-1])))
+        first = int(versus[1].logits.argmax())
     d_top, d_margin = step_margins(dense)
-    # Step 0 predicts from the prefill: dense for FlexiCache too (exact), the other dtype's own prefill with `versus`.
-    first = d_top[0] if versus is None else int(other_prefill.logits.argmax())
     o_top = [first] + step_margins(other)[0]
     parts = [s for s in range(len(target)) if o_top[s] != d_top[s]]
-    row = {"case": case.name, "method": "flexicache" if versus is None else f"dense-{next(versus.parameters()).dtype}",
-           "prompt_tokens": len(case.prompt_ids), "steps": len(target), "target": target, "dense_margin": d_margin,
-           "method_top1": o_top, "dense_top1": d_top, "first_part": parts[0] if parts else None,
+    row = {"case": case.name, "prompt_tokens": len(case.prompt_ids), "steps": len(target), "target": target,
+           "dense_margin": d_margin, "method_top1": o_top, "dense_top1": d_top, "first_part": parts[0] if parts else None,
            "first_part_margin": d_margin[parts[0]] if parts else None,
            "confident_parts": [s for s in parts if d_margin[s] >= CONFIDENT], "misses": []}
     if cache is not None and row["confident_parts"]:
@@ -455,43 +466,68 @@ def diagnose_case(model, case: Case, cfg: FlexiCacheConfig, profile, log=print, 
     return row
 
 
-def run_misses(model_name: str, sources: Sequence[str], out: str | Path, cache_options: dict | None = None,
-               budget: int = 1024, profile_arg: str | None = None, dtype: str = "float32", leval_data=None,
-               prompt_tokens: int = 4096, new_tokens: int = 64, versus: str | None = None, log=print) -> list[dict]:
-    """Every case of `sources` (resumable: one JSON line per case in `out`); returns the rows. `versus` (a dtype):
-    dense decoding in that dtype instead of FlexiCache (the noise floor's partings)."""
+def variant_name(options: dict | str) -> str:
+    """A variant's name in the results: "default", "carry_pages=0", "dense-bfloat16"."""
+    if isinstance(options, str):
+        return options
+    return ",".join(f"{k}={v}" for k, v in sorted(options.items())) or "default"
+
+
+def run_misses(model_name: str, sources: Sequence[str], out: str | Path, variants=({},), budget: int = 1024,
+               profile_arg: str | None = None, dtype: str = "float32", leval_data=None, prompt_tokens: int = 4096,
+               new_tokens: int = 64, log=print) -> list[dict]:
+    """Every case of `sources` against every variant, one dense reference per case (resumable: one JSON line per
+    case and variant in `out`); returns the rows. A variant is a dict of `FlexiCacheConfig` fields on top of the
+    default, or "dense-<dtype>": dense decoding in that dtype (the noise floor's partings)."""
     from .loading import load_model
     from .methods import prepare_model
     from .profile_choice import resolve_profile
+    from .shared_prefill import PrefixReuse
 
     model, tok, folder = load_model(model_name, dtype)
     prepare_model(model, "flexicache")
-    other = None
-    if versus is not None:
-        other = prepare_model(load_model(model_name, versus)[0], "dense")
     _ruler_case.model = model
-    cfg = FlexiCacheConfig(**{"token_budget": budget, **(cache_options or {})})
-    log(f"misses: {model_name}, " + (f"dense {versus} vs {dtype}" if versus else
-                                       f"budget {budget}, options {cache_options or {}}"))
+    others = {v: prepare_model(load_model(model_name, v.split("-", 1)[1])[0], "dense")
+              for v in variants if isinstance(v, str)}
+    reuse = {None: PrefixReuse(model), **{v: PrefixReuse(m) for v, m in others.items()}}
+    log(f"misses: {model_name}, budget {budget}, variants {[variant_name(v) for v in variants]}")
     path = Path(out)
     path.parent.mkdir(parents=True, exist_ok=True)
-    rows = [json.loads(l) for l in path.read_text().splitlines() if l.strip()] if path.exists() else []
-    done = {r["case"] for r in rows}
-    for case in cases_for([s for s in sources if s not in done], tok, folder, leval_data=leval_data,
-                          prompt_tokens=prompt_tokens, new_tokens=new_tokens):
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    done = {(r["case"], r["variant"]) for r in rows}
+    todo = [s for s in sources if any((s, variant_name(v)) not in done for v in variants)]
+    for case in cases_for(todo, tok, folder, leval_data=leval_data, prompt_tokens=prompt_tokens, new_tokens=new_tokens):
+        prefill = reuse[None](case.prompt_ids)  # a document's questions share its prefill
+        target, dense = dense_reference(model, prefill, case)
         # The profile the case's own evaluation runs with (made without its task's material; the demo's: bundled).
         profile, note = resolve_profile(model_name, model.config, case.meta.get("task", case.name), profile_arg)
-        row = diagnose_case(model, case, cfg, profile, log, other)
-        row["profile_note"] = note
-        rows.append(row)
-        with path.open("a") as f:
-            f.write(json.dumps(row) + "\n")
+        for variant in variants:
+            name = variant_name(variant)
+            if (case.name, name) in done:
+                continue
+            if isinstance(variant, str):
+                row = compare_case(model, case, prefill, target, dense, None, None, log,
+                                   versus=(others[variant], reuse[variant](case.prompt_ids)))
+            else:
+                cfg = FlexiCacheConfig(**{"token_budget": budget, **variant})
+                row = compare_case(model, case, prefill, target, dense, cfg, profile, log)
+            row.update({"variant": name, "profile_note": note})
+            rows.append(row)
+            with path.open("a") as f:
+                f.write(json.dumps(row) + "\n")
     return rows
 
 
 # -- report ------------------------------------------------------------------------------------------------------------
 def misses_markdown(rows: Sequence[dict], title: str = "") -> str:
-    """Per-case first parting and confident misses; over every confident miss, the lost mass by cause and layer."""
+    """Per variant: per-case first parting and confident misses; over every confident miss, the lost mass by cause
+    and layer."""
+    variants = list(dict.fromkeys(r.get("variant", "default") for r in rows))
+    return "\n\n".join(_variant_markdown([r for r in rows if r.get("variant", "default") == v], f"{title}: {v}")
+                       for v in variants)
+
+
+def _variant_markdown(rows: Sequence[dict], title: str) -> str:
     parted = [r for r in rows if r["first_part"] is not None]
     near = sum(r["first_part_margin"] < CONFIDENT for r in parted)
     steps = sum(r["steps"] for r in rows)

@@ -8,13 +8,13 @@ One dense teacher-forced forward pass over real text (prompt + continuation) rec
   falls on the pages the policy selects; reported as the mean over the GQA group and the minimum
   over the group;
 - **output error**: `|o_policy - o_dense| / |o_dense|`, where `o_policy` is attention over the selected
-  pages only (what FlexiCache computes) — or, for `+tail` policies, plus an estimate of every
-  unselected page from its mean key and mean value;
+  pages only (what FlexiCache computes);
 - the **oracle**: the K pages with the most true mass (mean over the group), forced pages included.
 
-Scoring and combining are the production functions of `fc_hf.selection`, so the probe measures the
-code the cache runs. Forcing follows the cache: the page being filled and `sink_pages` leading pages
-are always selected. No generation: one forward per text, every policy on the same queries.
+The bound is `fc_hf.kernels`' own (`bounds_per_head`), so the probe measures the code the cache runs. Forcing follows
+the cache: the page being filled and `sink_pages` leading pages are always selected. A `carry` policy ranks the probed
+positions in order, each one's candidates including the pages the previous position carried (as consecutive decode
+steps of a head ranked every step do). No generation: one forward per text, every policy on the same queries.
 
     flexicache eval selection --model smollm2-135m-instruct --prompt-tokens 4096 --positions 64
 """
@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from fc_hf.selection import combine_group, head_bounds
+from fc_hf.kernels.torch_backend import bounds_per_head
 
 POS_INF, NEG_INF = float("inf"), float("-inf")
 
@@ -36,34 +36,24 @@ class Policy:
     """A page-selection policy as the probe runs it (each maps to `FlexiCacheConfig` options)."""
 
     name: str
-    page_score: str = "quest"  # "quest" | "group_mean" | "oracle"
+    oracle: bool = False  # the K pages of most true mass
     subpages: int = 1
-    recent_pages: int = 0
-    tail: bool = False  # add mean-key/mean-value estimates of unselected pages to the softmax
     refine: int = 0  # candidate pages re-scored exactly (FlexiCacheConfig.refine_pages)
-    mass: float | None = None  # FlexiCacheConfig.budget_mass: the fewest candidates reaching this mass
+    carry: int = 0  # pages of most mass carried, with their successors, into the next position's candidates
 
     def config_options(self) -> dict:
-        return {"page_score": self.page_score, "score_subpages": self.subpages, "recent_pages": self.recent_pages,
-                "tail_estimate": self.tail, "refine_pages": self.refine, "budget_mass": self.mass}
+        return {"score_subpages": self.subpages, "refine_pages": self.refine, "carry_pages": self.carry}
 
 
 DEFAULT_POLICIES = (
-    Policy("quest"),
+    Policy("quest"),  # the authors' selection
     Policy("quest sub2", subpages=2),
     Policy("quest sub4", subpages=4),
-    Policy("group_mean", page_score="group_mean"),
-    Policy("group_mean sub2", page_score="group_mean", subpages=2),
-    Policy("group_mean sub4", page_score="group_mean", subpages=4),
-    Policy("quest recent4", recent_pages=4),
     Policy("quest refine 2K", refine=128),
-    Policy("quest refine 4K", refine=256),
-    Policy("quest sub2 refine 2K", subpages=2, refine=128),  # the default (FlexiCacheConfig()) at budget 1024
-    Policy("group_mean sub2 refine 2K", page_score="group_mean", subpages=2, refine=128),  # GQA-fair proposer
-    Policy("quest +tail", tail=True),
-    Policy("group_mean sub2 +tail", page_score="group_mean", subpages=2, tail=True),
-    Policy("oracle", page_score="oracle"),
-    Policy("quest sub2 refine 2K mass 0.95", subpages=2, refine=128, mass=0.95),  # budget_mass=0.95
+    Policy("quest sub2 refine 2K", subpages=2, refine=128),
+    Policy("quest sub2 refine 4K", subpages=2, refine=256),
+    Policy("quest sub2 refine 2K carry", subpages=2, refine=128, carry=8),  # the default (FlexiCacheConfig()) at 1024
+    Policy("oracle", oracle=True),
 )
 
 
@@ -119,8 +109,7 @@ def probe_layer(
         policies: `Policy` objects.
 
     Returns:
-        `dict[str, dict[str, Tensor]]`: per policy, `mass_mean`/`mass_min` `[H, T]`, `out_err` `[H, T]`, `pages` `[H, T]`
-        (pages selected: K, or under a `mass` policy the row's own count).
+        `dict[str, dict[str, Tensor]]`: per policy, `mass_mean`/`mass_min` `[H, T]` and `out_err` `[H, T]`.
     """
     h, g, t, d = query.shape
     k_pages = budget // page_size
@@ -146,99 +135,62 @@ def probe_layer(
     exists = page_ids[None, :] <= last[:, None]
     forced = page_ids[None, :] == last[:, None]
     forced |= (page_ids[None, :] < sink_pages) & exists
-    # Per-page mean key / value (for the tail estimate) of full pages.
-    kmean = _page_view(k, num_pages, page_size).mean(2)  # [H, Np, D]
-    vmean = _page_view(v, num_pages, page_size).mean(2)
     meta_cache = {}
     out = {}
     for pol in policies:
-        if sink_pages + pol.recent_pages >= k_pages:  # as FlexiCacheConfig refuses it
-            raise ValueError(f"policy {pol.name!r}: sink_pages + recent_pages must be < {k_pages} pages of the budget")
-        base_forced = forced.clone()
-        if pol.recent_pages:
-            base_forced |= (page_ids[None, :] >= (last[:, None] - pol.recent_pages)) & exists
-        if pol.page_score == "oracle":
+        if pol.oracle:
             scores = page_mass.mean(1)  # [H, T, Np]
         else:
             s = pol.subpages
             if s not in meta_cache:
                 sub = _page_view(k, num_pages, page_size).view(h, num_pages * s, page_size // s, d)
                 meta_cache[s] = torch.cat([sub.amax(2), sub.amin(2)], dim=-1)  # [H, Np*S, 2D]
-            meta = meta_cache[s]
-            # head_bounds works on rows [N, G, D]; probed positions become rows sharing their head's metadata.
-            rows_q = q.permute(0, 2, 1, 3).reshape(h * t, g, d)
-            rows_meta = meta[:, None].expand(h, t, *meta.shape[1:]).reshape(h * t, *meta.shape[1:])
-            bounds = head_bounds(rows_q, rows_meta, num_pages * s)
-            if s > 1:
-                bounds = bounds.view(h * t, g, num_pages, s).amax(-1)
-            valid_rows = full[None].expand(h, t, num_pages).reshape(h * t, num_pages)
-            scores = combine_group(bounds, pol.page_score, scaling, valid_rows).view(h, t, num_pages)
-        scores = scores.masked_fill(~full[None], NEG_INF).masked_fill(base_forced[None], POS_INF)
+            bounds = bounds_per_head(q.permute(0, 2, 1, 3).reshape(h, t * g, d), meta_cache[s], num_pages * s)
+            scores = bounds.view(h, t, g, num_pages, s).amax(dim=(2, 4))  # [H, T, Np]: max over group, sub-pages
+        scores = scores.masked_fill(~full[None], NEG_INF).masked_fill(forced[None], POS_INF)
         scores = scores.masked_fill(~exists[None], NEG_INF)
         kk = min(k_pages, num_pages)
-        if pol.mass is not None:
-            if not pol.refine:
-                raise ValueError(f"policy {pol.name!r}: a mass policy chooses among refinement's candidates (set refine)")
-            sel = _mass_selection(scores, page_mass.mean(1), pol, k_pages, page_size) & exists[None]
-        elif pol.refine and pol.refine > kk:
-            # Candidates by score, then the K with the most true mass among them (forced pages kept).
-            cand = torch.topk(scores, min(pol.refine, num_pages), dim=-1).indices
-            exact = page_mass.mean(1).gather(-1, cand)
-            exact = exact.masked_fill(torch.isposinf(scores.gather(-1, cand)), POS_INF)
-            exact = exact.masked_fill(torch.isneginf(scores.gather(-1, cand)), NEG_INF)
-            scores = torch.full_like(scores, NEG_INF).scatter_(-1, cand, exact)
-        if pol.mass is None:
-            top = torch.topk(scores, kk, dim=-1).indices  # [H, T, K]
-            sel = torch.zeros(h, t, num_pages, dtype=torch.bool).scatter_(-1, top, True) & exists[None]
+        if pol.refine and pol.refine > kk:
+            scores = _refined(scores, page_mass.mean(1), pol)
+        top = torch.topk(scores, kk, dim=-1).indices  # [H, T, K]
+        sel = torch.zeros(h, t, num_pages, dtype=torch.bool).scatter_(-1, top, True) & exists[None]
         sel_g = sel[:, None].expand(h, g, t, num_pages)
         captured = (page_mass * sel_g).sum(-1)  # [H, G, T]
-        num = (page_out * sel_g[..., None]).sum(3)
-        den = captured[..., None]
-        if pol.tail:
-            unsel = (~sel & full[None])[:, None]  # [H, 1, T, Np]
-            est_logit = torch.einsum("hgtd,hpd->hgtp", q, kmean) * scaling + math.log(page_size) - lse
-            est = torch.exp(est_logit).masked_fill(~unsel, 0.0)  # estimated probability mass per unselected page
-            num = num + torch.einsum("hgtp,hpd->hgtd", est, vmean)
-            den = den + est.sum(-1, keepdim=True)
-        approx = num / den.clamp_min(1e-30)
+        approx = (page_out * sel_g[..., None]).sum(3) / captured[..., None].clamp_min(1e-30)
         err = (approx - dense_out).norm(dim=-1) / dense_out.norm(dim=-1).clamp_min(1e-30)
-        out[pol.name] = {"mass_mean": captured.mean(1), "mass_min": captured.amin(1), "out_err": err.mean(1),
-                         "pages": sel.sum(-1).float()}
+        out[pol.name] = {"mass_mean": captured.mean(1), "mass_min": captured.amin(1), "out_err": err.mean(1)}
     return out
 
 
-def _mass_selection(scores: torch.Tensor, true_mass: torch.Tensor, pol: Policy, k_pages: int,
-                    page_size: int) -> torch.Tensor:
-    """`budget_mass` as the cache runs it (`fc_hf.budget_mass.choose_by_mass`): the top-`refine` candidates by score,
-    each one's exact mass among the candidates, the fewest reaching `pol.mass` (forced pages first), clamped to
-    `FlexiCacheConfig`'s floor and ceiling (K/4 and 2K by default). `scores`, `true_mass` `[H, T, Np]` -> a boolean
-    selection."""
-    from fc_hf.budget_mass import choose_by_mass
-    from fc_hf.config import FlexiCacheConfig
-
-    cfg = FlexiCacheConfig(token_budget=k_pages * page_size, page_size=page_size, refine_pages=pol.refine,
-                           budget_mass=pol.mass)
+def _refined(scores: torch.Tensor, mass: torch.Tensor, pol: Policy) -> torch.Tensor:
+    """Refinement's scores `[H, T, Np]`: the top `pol.refine` candidates by `scores` keep their true mass (forced ones
+    +inf, all-padding ones -inf), every other page -inf. With `pol.carry` the positions rank in order, each one's
+    candidates also holding the previous position's `carry` pages of most mass and the page after each."""
     h, t, num_pages = scores.shape
-    cand_scores, cand = torch.topk(scores.reshape(h * t, num_pages), min(pol.refine, num_pages), dim=-1)
-    mass = true_mass.reshape(h * t, num_pages).gather(1, cand)
-    mass = mass / mass.sum(1, keepdim=True).clamp_min(1e-30)  # mass among the candidates, as refinement has it
-    mass = mass.masked_fill(torch.isneginf(cand_scores), 0.0)
-    key = torch.where(torch.isinf(cand_scores), cand_scores, mass)
-    chosen, _, _ = choose_by_mass(cand, mass, key, pol.mass, cfg.mass_min_pages, cfg.mass_max_pages, trim=False)
-    sel = torch.zeros(h * t, num_pages + 1, dtype=torch.bool)
-    sel.scatter_(1, chosen.masked_fill(chosen < 0, num_pages), True)  # -1 entries land in a spare column
-    return sel[:, :num_pages].view(h, t, num_pages)
+    out = torch.full_like(scores, NEG_INF)
+    carried = None
+    for j in range(t) if pol.carry else [slice(None)]:
+        sc = scores[:, j].clone()
+        if carried is not None:
+            sc.scatter_(-1, carried, torch.where(torch.isinf(sc.gather(-1, carried)), sc.gather(-1, carried), 3e38))
+        cand = torch.topk(sc, min(pol.refine, num_pages), dim=-1).indices
+        exact = mass[:, j].gather(-1, cand)
+        exact = torch.where(torch.isinf(sc.gather(-1, cand)), sc.gather(-1, cand), exact)
+        out[:, j].scatter_(-1, cand, exact)
+        if pol.carry:
+            free = exact.nan_to_num(posinf=0.0, neginf=0.0)
+            best = cand.gather(-1, free.topk(pol.carry, dim=-1).indices)
+            carried = torch.cat([best, best + 1], -1).clamp(max=num_pages - 1)
+    return out
 
 
 def bytes_per_step(policy: Policy, context: int, page_size: int, budget: int, head_dim: int, itemsize: int) -> dict:
     """KV and metadata bytes one KV head reads per decode step under `policy` (counted from tensor sizes)."""
     pages = math.ceil(context / page_size)
     kv = min(budget, context) * 2 * head_dim * itemsize
-    meta = 0 if policy.page_score == "oracle" else pages * policy.subpages * 2 * head_dim * itemsize
-    tail = pages * 2 * head_dim * itemsize if policy.tail else 0
+    meta = 0 if policy.oracle else pages * policy.subpages * 2 * head_dim * itemsize
     refine = min(policy.refine, pages) * page_size * head_dim * itemsize if policy.refine else 0  # candidates' keys
-    kv += refine
-    return {"kv": kv, "metadata": meta + tail, "total": kv + meta + tail}
+    return {"kv": kv + refine, "metadata": meta, "total": kv + refine + meta}
 
 
 class _Recorder:
@@ -292,23 +244,13 @@ def format_table(totals: ProbeTotals, policies, context: int, page_size: int, bu
              "|---|---|---|---|---|"]
     for pol in policies:
         b = bytes_per_step(pol, context, page_size, budget, head_dim, itemsize)
-        mm = totals.mean(pol.name, "mass_mean")
-        mass = "—" if pol.tail else f"{mm:.4f}"
-        mn = "—" if pol.tail else f"{totals.mean(pol.name, 'mass_min'):.4f}"
-        lines.append(f"| {pol.name} | {mass} | {mn} | {totals.mean(pol.name, 'out_err'):.4f} | "
-                     f"{b['kv']} + {b['metadata']} |")
+        lines.append(f"| {pol.name} | {totals.mean(pol.name, 'mass_mean'):.4f} | {totals.mean(pol.name, 'mass_min'):.4f} | "
+                     f"{totals.mean(pol.name, 'out_err'):.4f} | {b['kv']} + {b['metadata']} |")
     if layer_rows:
-        names = [p.name for p in policies if not p.tail]
+        names = [p.name for p in policies]
         lines += ["", "| layer | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
         for layer in range(totals.layers):
             lines.append(f"| {layer} | " + " | ".join(f"{totals.mean(n, 'mass_mean', layer):.3f}" for n in names) + " |")
-        varied = [p.name for p in policies if p.mass is not None]
-        if varied:  # where a mass policy spends its pages, next to the fixed budget's K
-            lines += ["", f"Pages per KV head and position (fixed policies: {budget // page_size})", "",
-                      "| layer | " + " | ".join(varied) + " |", "|---" * (len(varied) + 1) + "|"]
-            for layer in range(totals.layers):
-                lines.append(f"| {layer} | " + " | ".join(f"{totals.mean(n, 'pages', layer):.1f}" for n in varied) + " |")
-            lines.append("| all | " + " | ".join(f"{totals.mean(n, 'pages'):.1f}" for n in varied) + " |")
     return "\n".join(lines)
 
 

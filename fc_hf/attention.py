@@ -28,19 +28,8 @@ def flexicache_attention_forward(
     scaling: float | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """Attention with transformers' standard signature.
-
-    Args:
-        module (`torch.nn.Module`): the attention module (`layer_idx`, `num_key_value_groups`, `scaling`).
-        query (`torch.Tensor` of shape `[B, Hq, T, D]`): queries after RoPE.
-        key, value (`torch.Tensor` of shape `[B, Hkv, L, D]`): what the cache returned; a FlexiCache
-            decode placeholder at decode steps.
-        attention_mask (`torch.Tensor`, *optional*): the sdpa boolean mask `[B, 1, T, L]` (None without padding).
-        dropout (`float`, *optional*, defaults to 0.0): only used by the dense path.
-        scaling (`float`, *optional*): softmax scale; defaults to `module.scaling` or `D**-0.5`.
-
-    Returns:
-        `(attn_output [B, T, Hq, D], None)`.
+    """Attention with transformers' standard signature: `query [B, Hq, T, D]` after RoPE, `key`/`value` what the cache
+    returned (a decode placeholder at decode steps), the sdpa mask `[B, 1, T, L]` or None -> `(out [B, T, Hq, D], None)`.
     """
     if isinstance(key, DecodePlaceholder):
         if scaling is None:
@@ -59,8 +48,7 @@ def flexicache_attention_forward(
         return torch.cat([dense, rest], dim=1), None
     observer = getattr(key, "fc_observe", None)  # profile="auto" with zero warm-up: trace the prompt's last queries
     if observer is not None:
-        observer.observe_prefill(query, attention_mask, scaling if scaling is not None else getattr(
-            module, "scaling", query.shape[-1] ** -0.5))
+        observer.observe_prefill(query, attention_mask)
     if kwargs.get("softcap") is not None:  # sdpa refuses logit soft-capping (Gemma2)
         return _dense_softcap_attention(module, query, key, value, attention_mask, scaling, kwargs["softcap"]), None
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)

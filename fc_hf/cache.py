@@ -5,12 +5,11 @@ from __future__ import annotations
 import logging
 import math
 import os
-import sys
 
 import torch
-from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLayer
+from transformers.cache_utils import Cache, DynamicSlidingWindowLayer
 
-from .budget_mass import MassSplit
+from . import reports
 from .config import FlexiCacheConfig
 from .errors import FlexiCacheError
 from .kernels import GatherWorkspace
@@ -18,7 +17,7 @@ from .layer import FlexiCacheLayer
 from .ledger import DeviceLedger
 from .online import OnlineClassifier, check_auto_config
 from .profile import HeadProfile, attention_shape
-from .speculative import assisted_loop_prompt, check_auto_profile, check_loop_start
+from .speculative import assisted_loop_prompt, check_auto_profile, check_loop_start, in_prefill
 
 logger = logging.getLogger("fc_hf")
 
@@ -51,11 +50,8 @@ class FlexiCache(Cache):
     Args:
         config (`PretrainedConfig`): the model's config (its text config is used).
         cache_config (`FlexiCacheConfig`, *optional*): algorithm settings; defaults to `FlexiCacheConfig()`.
-        profile (`HeadProfile` or `"auto"`, *optional*): unstable (layer, kv_head) pairs. None treats every head
-            as unstable (Quest: every head re-ranked every step, everything on the device). "auto" classifies the
-            heads online from this run (`fc_hf/online.py`): Quest for the first `cache_config.warmup_steps` decode
-            steps, then exactly as with the profile found (`profile_found()`), whose unstable share is
-            `cache_config.unstable_fraction`.
+        profile (`HeadProfile` or `"auto"`, *optional*): unstable (layer, kv_head) pairs. None: every head unstable
+            (Quest). "auto": classified online from this run's first `warmup_steps` (`fc_hf/online.py`).
 
     Example:
         >>> from fc_hf import FlexiCache, FlexiCacheConfig, register
@@ -91,9 +87,6 @@ class FlexiCache(Cache):
         for l, h in cfg.streaming_heads:
             if not (0 <= l < num_layers and 0 <= h < num_kv_heads):
                 raise ValueError(f"streaming head {(l, h)} is outside the model's {num_layers}x{num_kv_heads} KV heads.")
-        bad_dense = [l for l in cfg.dense_layers if not 0 <= l < num_layers]
-        if bad_dense:
-            raise ValueError(f"dense_layers {bad_dense} are outside the model's {num_layers} layers.")
 
         self.cache_config = cfg
         self.profile = profile
@@ -108,16 +101,13 @@ class FlexiCache(Cache):
         self.check_residency: bool | None = None
         self._mask_memo = None
         self.prompt_end: int | None = None  # speculative decoding: where the assisted loop's prompt ends
-        # budget_split="mass": one split of the model's pages between its ranked heads (`fc_hf/budget_mass.py`)
-        self.mass_split = (MassSplit(cfg.pages_per_head, cfg.mass_min_pages, cfg.mass_max_pages)
-                           if cfg.budget_split == "mass" else None)
+        # Whether this forward runs in generate's prompt stage (`in_prefill`): its single token is a prompt token.
+        self.prefilling = False
         layers = []
         for idx, kind in enumerate(_layer_types(text)):
             if kind in _SLIDING:
                 window = getattr(text, "sliding_window", None) or getattr(text, "attention_chunk_size", None)
                 layers.append(DynamicSlidingWindowLayer(sliding_window=window))
-            elif kind in _FULL and idx in cfg.dense_layers:
-                layers.append(DynamicLayer())
             elif kind in _FULL:
                 layers.append(
                     FlexiCacheLayer(
@@ -147,12 +137,15 @@ class FlexiCache(Cache):
             raise FlexiCacheError("This FlexiCache was released (cache.release()); create a new FlexiCache for this call.")
         if layer_idx == 0:
             self._check_use_cache(cache_kwargs, kwargs)
-        if layer_idx == self._first_flexi_idx and self.cache_config.max_device_pages is not None:
-            self._check_device_bound(key_states)
+        if layer_idx == self._first_flexi_idx:
+            # One token on a filled cache is a decode step, unless generate feeds it as a prompt (`in_prefill`).
+            self.prefilling = key_states.shape[2] == 1 and self.get_seq_length(layer_idx) > 0 and in_prefill()
+            if self.cache_config.max_device_pages is not None:
+                self._check_device_bound(key_states)
         layer = self.layers[layer_idx]
         if isinstance(layer, FlexiCacheLayer):
             out = super().update(key_states, value_states, layer_idx)
-            if key_states.shape[2] > 1 and layer.length > key_states.shape[2] and not layer.pending:  # read back
+            if layer.length > key_states.shape[2] and not layer.pending:  # tokens on a filled cache: a read-back
                 self._start_read_back_after(layer_idx)
             return out
         held = _dense_bytes(layer)  # a dense or sliding-window layer: its K/V count towards the device bytes too
@@ -191,15 +184,10 @@ class FlexiCache(Cache):
         lookup call this before their loop. Until recording ends, every token after the prompt is a decode step,
         however many a forward brings."""
         check_auto_profile(self.auto)
-        if self.mass_split is not None:
-            raise FlexiCacheError(
-                'budget_split="mass" does not combine with speculative decoding (prompt lookup, assisted decoding): '
-                "its split of the budget is measured at the first decode step and a crop could take that step back. "
-                'Use budget_split="even" (the default) or budget_mass=p with speculative decoding. Nothing was changed.'
-            )
-        prompt = assisted_loop_prompt(sys._getframe(1))
-        if prompt is not None:
-            check_loop_start(prompt, self.get_seq_length(self._first_flexi_idx or 0))
+        held = self.get_seq_length(self._first_flexi_idx or 0)
+        prompt = assisted_loop_prompt()
+        if prompt is not None or not held:  # in the loop, or a start on an empty cache (only the loop does that)
+            check_loop_start(prompt, held)
             self.prompt_end = prompt.shape[1]
         super().activate_past_recording()  # sliding-window layers keep their states until `crop`; ours mark
 
@@ -264,11 +252,8 @@ class FlexiCache(Cache):
         return device.type != "cuda" or os.environ.get("FLEXICACHE_DEBUG") == "1"
 
     def attn_implementation_hint(self) -> str:
-        """The attention implementation the model's attention layers dispatch on (`config._attn_implementation`).
-
-        Read from the config this cache was built from, at the time of the error: `FlexiCache(model.config)`
-        shares the model's config object, which `set_attn_implementation` updates.
-        """
+        """`config._attn_implementation` of the config this cache was built from (shared with the model, so it is
+        current at the time of the error)."""
         impl = getattr(self._model_text_config, "_attn_implementation", None)
         return impl if impl is not None else "unknown (the config names none)"
 
@@ -295,64 +280,14 @@ class FlexiCache(Cache):
         self._mask_memo = (attention_mask, length, token_valid, page_valid)
         return token_valid, page_valid
 
-    # -- reports ---------------------------------------------------------------------------------
+    # -- reports (`fc_hf/reports.py`) -------------------------------------------------------------------
     def memory_report(self) -> dict[str, int]:
-        """Bytes actually allocated per tier (not formulas), plus what a DynamicCache would hold.
-
-        `peak_device_kv_bytes` is the most device KV this cache has held at once (`fc_hf.ledger`): page pools, dense
-        layers' K/V and the one-layer read-back of a multi-token step on a filled cache; metadata is apart."""
-        report = {"device_kv_bytes": 0, "host_kv_bytes": 0, "metadata_bytes": 0, "dense_kv_bytes": 0,
-                  "device_slots_in_use": 0, "peak_device_kv_bytes": self.ledger.peak}
-        if self.auto is not None:  # profile="auto": -1 while warming up; the trace is counted as metadata
-            report["auto_classified_after_step"] = -1 if self.auto.classified_after_step is None else (
-                self.auto.classified_after_step)
-            report["auto_unstable_heads"] = -1 if self.auto.unstable is None else len(self.auto.unstable)
-            report["metadata_bytes"] += self.auto.trace_bytes()
-        for layer in self.layers:
-            if isinstance(layer, FlexiCacheLayer):
-                for store in layer.stores():
-                    report["device_kv_bytes"] += store.device_bytes()
-                    report["host_kv_bytes"] += store.host_bytes()
-                    report["metadata_bytes"] += store.metadata_bytes()
-                    report["device_slots_in_use"] += store.slots_in_use()
-                if layer.is_initialized:
-                    per_token = layer.batch * layer.num_kv_heads * (layer.head_dim + layer.value_dim)
-                    report["dense_kv_bytes"] += per_token * layer.length * layer.dtype.itemsize
-            elif getattr(layer, "keys", None) is not None and layer.keys.numel():
-                nbytes = layer.keys.numel() * layer.keys.element_size() + layer.values.numel() * layer.values.element_size()
-                report["device_kv_bytes"] += nbytes
-                report["dense_kv_bytes"] += nbytes
-        return report
+        """Bytes actually allocated per tier (not formulas), plus what a DynamicCache would hold (`reports.memory`)."""
+        return reports.memory(self)
 
     def stats(self) -> dict:
-        """Counters of the decode so far (re-ranks, promotions, offloads)."""
-        s = {"decode_steps": 0, "reranks_stable": 0, "reranks_unstable": 0, "pages_promoted": 0, "bytes_promoted": 0,
-             "pages_offloaded": 0, "bytes_offloaded": 0, "promoted_fraction_per_rerank": []}
-        for layer in self.flexi_layers:
-            s["decode_steps"] = max(s["decode_steps"], layer.steps)
-            for group in layer.groups:
-                if group.kind == "stable":
-                    s["reranks_stable"] += group.rankings
-                elif group.kind == "unstable":
-                    s["reranks_unstable"] += group.rankings
-                s["promoted_fraction_per_rerank"].extend(group.promoted_fractions)
-                if group.store is not None:
-                    for key, value in group.store.counters.items():
-                        s[key] += value
-        ranked = [(g.ranked_pages, g.ranked_rows, g.read_pages, g.read_rows) for layer in self.flexi_layers
-                  for g in layer.groups if g.kind != "streaming"]
-        rows = sum(r[1] for r in ranked)
-        reads = sum(r[3] for r in ranked)
-        # Pages a ranked head chose per ranking, and pages a head attended per decode step (its selection plus the pages
-        # created since), over every ranked head group: under `budget_mass` the count varies per head.
-        s["pages_per_ranking"] = float(sum(r[0] for r in ranked)) / rows if rows else None
-        s["pages_per_step"] = float(sum(r[2] for r in ranked)) / reads if reads else None
-        if self.auto is not None:
-            s["reranks_unstable"] += self.auto.warmup_rankings
-            s["auto_profile"] = self.auto.summary()
-        if self.timings is not None:
-            s["timings_s"] = dict(self.timings)
-        return s
+        """Counters of the decode so far: re-ranks, promotions, offloads, pages read (`reports.counters`)."""
+        return reports.counters(self)
 
     @property
     def observes_prefill(self) -> bool:

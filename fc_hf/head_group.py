@@ -1,17 +1,11 @@
 """A head group: KV heads of one layer that share a ranking schedule and a paged store.
 
-`HeadGroup` composes a `PageSelector` (selection.py: which pages), the tier moves (tiers.py: where
-they live) and a `PagedKV` store (paged_store.py), and owns the schedule: when the group ranks, what
-it reads between rankings, and when a deferred ranking takes effect.
-
-Each FlexiCache layer splits its KV heads into up to three groups:
-- unstable: every page on the device, re-ranked every `unstable_rerank_interval` steps (1);
-- stable: tiered (top-K on the device, every full page on the host), re-ranked at the first decode
-  step and every `rerank_interval` steps, attending in between to its last top-K plus the pages
-  created since;
-- streaming (LServe-like baseline only): sink + most recent pages, never ranked.
-Splitting by group keeps each group's metadata contiguous, so a step scores only the groups that
-are due, with no Python loop over heads.
+`HeadGroup` composes a `PageSelector` (selection.py: which pages), the tier moves (tiers.py: where they live) and a
+`PagedKV` store, and owns the schedule: when the group ranks, what it reads between rankings, when a deferred ranking
+takes effect. A layer's groups: unstable (every page on the device, ranked every step), stable (top-K on the device,
+every full page on the host, ranked at the first decode step and every `rerank_interval` steps, reading in between its
+last top-K plus the pages created since) and streaming (the LServe-like baseline: sink + recent pages). One store per
+group keeps its metadata contiguous: a step scores only the groups that are due, with no loop over heads.
 """
 
 from __future__ import annotations
@@ -19,13 +13,13 @@ from __future__ import annotations
 import math
 import time
 from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
 
 import torch
 
 from . import kernels
-from .budget_mass import entry_counts, with_pages_since
-from .paged_store import PagedKV, gather_pages
-from .selection import NEG_INF, PageSelector, tail_terms
+from .paged_store import PagedKV, StoreMark, gather_pages
+from .selection import NEG_INF, PageSelector
 from .tiers import compaction_headroom, move_tiers
 
 UNSTABLE, STABLE, STREAMING = "unstable", "stable", "streaming"
@@ -33,32 +27,42 @@ UNSTABLE, STABLE, STREAMING = "unstable", "stable", "streaming"
 _UNTIMED = nullcontext()
 
 
+@dataclass
+class GroupMark:
+    """What `HeadGroup.restore` puts back (speculative decoding, `fc_hf/speculative.py`): the store's mark and the
+    group's selection state, schedule and counters."""
+
+    store: StoreMark
+    sel: torch.Tensor | None
+    pages_at_rank: int
+    pending: tuple | None
+    compacted: bool
+    rankings: int
+    promotions: int  # entries of `promoted_fractions`
+    rank_next: bool
+    after_append: bool
+    counts: dict
+    carried: tuple | None
+
+
 class HeadGroup:
-    def __init__(self, kind: str, heads: list[int], cfg, timings: dict | None, workspace=None, split=None):
+    def __init__(self, kind: str, heads: list[int], cfg, timings: dict | None, workspace=None):
         self.kind = kind
         self.heads = heads
         self.cfg = cfg
-        self.selector = PageSelector(cfg, cfg.stable_page_score if kind == STABLE else None, workspace, split)
+        self.selector = PageSelector(cfg, workspace)
         self.workspace = workspace  # the cache's gather buffers (kernels.GatherWorkspace), or None
-        if kind == UNSTABLE:
-            self.interval = cfg.unstable_rerank_interval
-        elif kind == STABLE:
-            self.interval = cfg.rerank_interval
-        else:
-            self.interval = None
+        self.interval = {UNSTABLE: 1, STABLE: cfg.rerank_interval}.get(kind)
         self.tiered = kind == STABLE and cfg.offload
         self.store: PagedKV | None = None
         self.head_index: torch.Tensor | None = None
         self.sel: torch.Tensor | None = None  # [N, <=K] pages chosen at the last ranking
-        # `budget_mass` / `budget_split="mass"` (`fc_hf/budget_mass.py`): rows hold a variable number of pages, valid
-        # entries first, -1 after.
-        self.variable = cfg.variable_pages and kind != STREAMING
-        # Pages chosen at rankings (summed over rows; a tensor under `budget_mass`, no sync) and rows ranked; pages
-        # attended over decode steps and row-steps: `FlexiCache.stats()` means.
-        self.ranked_pages = 0
-        self.ranked_rows = 0
-        self.read_pages = 0
-        self.read_rows = 0
+        self.last_read: torch.Tensor | None = None  # [N, M] pages read at the last decode step
+        # Pages chosen at rankings and rows ranked; pages attended over decode steps and row-steps (`stats()` means);
+        # pages whose MinMax entries were scored, candidates whose keys were read, read pages whose keys the attention
+        # did not read again (`bytes_read`).
+        self.counts = dict.fromkeys(("ranked_pages", "ranked_rows", "read_pages", "read_rows", "scored_pages",
+                                     "candidate_pages", "reused_pages"), 0)
         self.pages_at_rank = 0  # pages that existed at the last ranking
         self.pending: tuple[torch.Tensor, int] | None = None  # deferred ranking, applied after attention
         self.compacted = False
@@ -77,20 +81,15 @@ class HeadGroup:
 
     def init_store(self, batch, head_dim, value_dim, dtype, device, ledger=None):
         self.head_index = torch.tensor(self.heads, device=device)
-        self.store = PagedKV(
-            batch, len(self.heads), self.cfg.page_size, head_dim, value_dim, dtype, device, tiered=self.tiered,
-            subpages=self.cfg.subpages, page_means=self.cfg.tail_estimate, ledger=ledger,
-        )
+        self.store = PagedKV(batch, len(self.heads), self.cfg.page_size, head_dim, value_dim, dtype, device,
+                             tiered=self.tiered, subpages=self.cfg.subpages, ledger=ledger)
 
-    def append(self, keys: torch.Tensor, values: torch.Tensor, heads: torch.Tensor | None = None,
+    def append(self, keys: torch.Tensor, values: torch.Tensor, prompt: bool, heads: torch.Tensor | None = None,
                backend: str | None = None) -> None:
-        """Append `[B, heads, T, D]` tokens (with `heads`: every KV head of the layer, this group's taken from them).
-
-        One token is a decode step's. Several (a prompt, a prefill chunk, a new turn of a conversation) leave a tiered
-        group only its sink and the page being filled on the device (`PagedKV.append_offloaded`), and every group
-        ranks at its next decode step: the selection made before these tokens does not know them.
-        """
-        if keys.shape[2] == 1:
+        """Append `[B, heads, T, D]` tokens (with `heads`: every KV head of the layer, this group's taken from them):
+        a decode step's token, or `prompt` tokens (a prompt, a chunk, a turn), which leave a tiered group only its sink
+        and the page being filled on the device (`PagedKV.append_offloaded`); the group ranks at its next step."""
+        if not prompt:
             self.store.append(keys, values, heads=heads, backend=backend)
             return
         if self.tiered:
@@ -104,8 +103,6 @@ class HeadGroup:
         else:
             self.store.append(keys, values, heads=heads, backend=backend)
         self.rank_next = True
-        if self.selector.split is not None:  # budget_split="mass": the next first decode step measures it again
-            self.selector.split.reset()
         self._after_append = self.tiered
         self.pending = None
         self._pages_memo = self._slots_memo = self._checked_slots = None
@@ -125,8 +122,7 @@ class HeadGroup:
             return (min(self.cfg.sink_pages, end // p) + (end % p > 0)) * rows
         held = math.ceil(end / p) * rows if store is None else store.slots_in_use() + store.slots_needed(tokens)
         if self.tiered and self.rank_next:
-            most = self.cfg.mass_max_pages if self.variable else self.cfg.pages_per_head
-            held = max(held, min(most, math.ceil(end / p)) * rows)
+            held = max(held, min(self.cfg.pages_per_head, math.ceil(end / p)) * rows)
         return held
 
     def _timed(self, name):
@@ -143,6 +139,10 @@ class HeadGroup:
             torch.cuda.synchronize(self.store.device)
         self.timings[name] = self.timings.get(name, 0.0) + time.perf_counter() - t0
 
+    def _count(self, **added) -> None:
+        for key, value in added.items():
+            self.counts[key] += value
+
     # -- selection -----------------------------------------------------------------------------
     def is_due(self, step: int) -> bool:
         """Whether this group ranks its pages at decode step `step` (1-based)."""
@@ -152,41 +152,30 @@ class HeadGroup:
         """Whether the schedule alone (not a `rank_next` set by an append) ranks at step `step`."""
         return self.kind != STREAMING and (step == 1 or step % self.interval == 0)
 
-    def _rank(self, query: torch.Tensor, page_valid: torch.Tensor | None, scaling: float,
-              token_valid: torch.Tensor | None) -> torch.Tensor:
-        # Exact scoring reads every token: it takes the padding mask per row (row = b * heads + h); refinement takes
-        # the step's mask and the rows per sequence (its bias table is shared by every layer of the step).
-        rows_valid = None
-        if token_valid is not None and self.selector.how == "exact":
-            rows_valid = token_valid.repeat_interleave(len(self.heads), dim=0)
-        with self._timed("scoring"):
-            scores = self.selector.scores(query, self.store, page_valid, scaling, rows_valid)
-        with self._timed("selection"):
-            return self.selector.select(scores, query, self.store, scaling, token_valid, len(self.heads))
-
-    def pages_for_step(
-        self, step: int, query: torch.Tensor, page_valid: torch.Tensor | None, scaling: float = 1.0,
-        token_valid: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Logical pages `[N, M]` this group attends to at decode step `step` (all exist and are resident; -1 entries,
-        not attended, only with variable pages)."""
+    def pages_for_step(self, step: int, query: torch.Tensor, page_valid: torch.Tensor | None, scaling: float = 1.0,
+                       token_valid: torch.Tensor | None = None) -> torch.Tensor:
+        """Logical pages `[N, M]` this group attends to at decode step `step` (all exist and are resident)."""
         if self.pending is not None:
             self._apply(*self.pending)
             self.pending = None
+        store = self.store
         if self.kind == STREAMING:
-            store = self.store
             memo = self._pages_memo
             if memo is None or memo[2] != store.num_pages or memo[3] != store.rows:
                 memo = (None, None, store.num_pages, store.rows,
                         self.selector.streaming_pages(store.rows, store.num_pages, store.device))
                 self._pages_memo = memo
             return memo[4]
-        store = self.store
         if self.is_due(step):
-            new_sel = self._rank(query, page_valid, scaling, token_valid)
+            with self._timed("scoring"):
+                scores = self.selector.scores(query, store, page_valid)
+            with self._timed("selection"):
+                new_sel = self.selector.select(scores, query, store, scaling, token_valid, len(self.heads))
             self.rankings += 1
-            self.ranked_rows += new_sel.shape[0]
-            self.ranked_pages = self.ranked_pages + ((new_sel >= 0).sum() if self.variable else new_sel.numel())
+            self._count(ranked_rows=new_sel.shape[0], ranked_pages=new_sel.numel(),
+                        scored_pages=new_sel.shape[0] * store.num_pages,
+                        candidate_pages=new_sel.shape[0] * min(self.selector.refine, store.num_pages)
+                        if self.selector.refine and store.num_pages > self.selector.k else 0)
             forced, self.rank_next = self.rank_next, False
             if step > 1 and self.tiered and self.cfg.promotion == "deferred" and not forced:
                 # Attend with the current pages now; promote after this step's attention.
@@ -206,27 +195,20 @@ class HeadGroup:
             return memo[4]
         if self.sel is None:  # right after prefill: everything is resident
             pages = torch.arange(store.num_pages, device=store.device).expand(store.rows, store.num_pages)
-        elif self.variable and not self._torch_path():
-            # valid entries first (the Triton kernel stops at each row's count)
-            pages = with_pages_since(self.sel, self.pages_at_rank, store.num_pages)
-        else:  # the PyTorch path masks -1 entries wherever they are: the order of the in-place layout
+        else:
             since = torch.arange(self.pages_at_rank, store.num_pages, device=store.device)
             pages = torch.cat([self.sel, since.expand(store.rows, since.numel())], dim=1)
         self._pages_memo = (self.sel, self.pages_at_rank, store.num_pages, store.rows, pages)
         return pages
 
-    def _torch_path(self) -> bool:
-        """Whether this group's attention runs on the PyTorch backend (where its pages may be read in place)."""
-        return kernels.backend_for(self.store.k_pool, self.cfg.backend) == "torch"
-
     def _slots_for(self, pages: torch.Tensor) -> torch.Tensor:
         """Device slots of `pages`; the same pages object under an unchanged table gives the same slots."""
         store = self.store
         memo = self._slots_memo
-        if memo is not None and memo[0] is pages and memo[1] == store.table_version:
+        if memo is not None and memo[0] is pages and memo[1] == store.pool.table_version:
             return memo[2]
-        slots = store.slots_for(pages, holes=self.variable)  # -1 entries (variable pages): the null block
-        self._slots_memo = (pages, store.table_version, slots)
+        slots = store.slots_for(pages)
+        self._slots_memo = (pages, store.pool.table_version, slots)
         return slots
 
     def _apply(self, new_sel: torch.Tensor, pages_at_rank: int) -> None:
@@ -237,51 +219,36 @@ class HeadGroup:
         self.sel = new_sel
         self.pages_at_rank = pages_at_rank
 
-    def adopt_selection(self, sel: torch.Tensor, pages_at_rank: int, carried: torch.Tensor | None = None) -> None:
-        """Take `sel [N, <=K]`, ranked when `pages_at_rank` pages existed, as this group's last ranking.
-
-        For `profile="auto"`: a group built at the end of the warm-up inherits the ranking its heads made at
-        that (re-rank) step; a tiered group then keeps only those pages on the device, as after that ranking.
-        """
+    def adopt_selection(self, sel: torch.Tensor, pages_at_rank: int, carried: tuple | None = None) -> None:
+        """Take `sel [N, <=K]`, ranked when `pages_at_rank` pages existed, as this group's last ranking (and `carried`,
+        the candidates it carries on): `profile="auto"`'s re-split groups continue from the warm-up's ranking."""
         self._apply(sel, pages_at_rank)
         self.selector.carried = carried
         self.rank_next = False  # ranked already: the schedule goes on as if this group had made that ranking
 
     def _move_tiers(self, new_sel: torch.Tensor, pages_at_rank: int) -> None:
         store = self.store
-        promoted = move_tiers(store, self._resident_pages(), new_sel, variable=self.variable)
+        promoted = move_tiers(store, self._resident_pages(), new_sel)
         if not self._after_append:  # the first ranking after a prompt or a turn fills the device from the sink
-            chosen = int((new_sel >= 0).sum()) if self.variable else new_sel.numel()
-            self.promoted_fractions.append(promoted / max(1, chosen))
+            self.promoted_fractions.append(promoted / max(1, new_sel.numel()))
         self._after_append = False
         headroom = compaction_headroom(store, self.interval)
-        if pages_at_rank == store.num_pages and self._torch_path():
+        if pages_at_rank == store.num_pages and kernels.backend_for(store.k_pool, self.cfg.backend) == "torch":
             # The PyTorch attention reads the pages in place until the next ranking (no gather per step); the
-            # layout is also the compaction (a pool of the resident pages plus the headroom). With variable pages a
-            # row's -1 entries keep their place in it as zero pages, masked by the attention (`_resident_pages`).
-            store.arrange_rows(new_sel, headroom // store.rows, holes=self.variable)
+            # layout is also the compaction (a pool of the resident pages plus the headroom).
+            store.pool.arrange_rows(new_sel, headroom // store.rows)
             self.compacted = True
         elif not self.compacted:
             # After the first drop, give the freed device memory back.
-            store.compact(headroom)
+            store.pool.compact(headroom)
             self.compacted = True
 
     # -- attention -------------------------------------------------------------------------------
-    def attend(
-        self,
-        query: torch.Tensor,
-        step: int,
-        token_valid: torch.Tensor | None,
-        page_valid: torch.Tensor | None,
-        scaling: float,
-        softcap: float | None,
-        check: bool,
-        out: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+    def attend(self, query: torch.Tensor, step: int, token_valid: torch.Tensor | None, page_valid: torch.Tensor | None,
+               scaling: float, softcap: float | None, check: bool, out: torch.Tensor | None = None) -> torch.Tensor:
         """Sparse decode attention for this group. `query [N, G, D]` -> `[N, G, Dv]` (written into `out` if given)."""
         store = self.store
-        pages = self.pages_for_step(step, query, page_valid, scaling, token_valid)
-        self.last_read = pages
+        pages = self.last_read = self.pages_for_step(step, query, page_valid, scaling, token_valid)
         # A refined ranking at this step already scored these keys. Not re-used under a softcap (the capped logits are
         # not the ranking's) or on Triton (its kernel reads the keys in-kernel anyway); offered every step to clear them.
         triton = kernels.backend_for(query, self.cfg.backend) == "triton"
@@ -295,28 +262,15 @@ class HeadGroup:
             if check and self._checked_slots is not slots:
                 # Slots come out of a table look-up; the same look-up (pages and table unchanged: any tier move
                 # writes the table) was already checked, so a stable group checks once per ranking or new page.
-                store.check_resident(slots.masked_fill(pages < 0, 1) if self.variable else slots)
+                store.check_resident(slots)
                 self._checked_slots = slots
-            tail = None
-            if store.page_means is not None and store.full_pages:
-                tail = tail_terms(query, store.page_means, pages, store.full_pages, store.page_size, scaling,
-                                  page_valid, softcap)
-            counts = None
-            if self.variable:  # per-row counts: the Triton kernel stops each row there; the PyTorch path masks the
-                # -1 entries wherever they are (after a ranking's pages come the pages opened since: `_resident_pages`)
-                counts = entry_counts(pages)
-                self.read_pages = self.read_pages + counts.sum()
-                if not triton:
-                    counts = None
-            else:
-                self.read_pages += pages.numel()
-            self.read_rows += pages.shape[0]
+            self._count(read_pages=pages.numel(), read_rows=pages.shape[0],
+                        reused_pages=0 if logits is None else pages.numel())
             out = kernels.sparse_decode_attention(
-                query, store.k_pool, store.v_pool, slots, pages, store.length, scaling,
-                token_valid, len(self.heads), softcap, backend=self.cfg.backend, workspace=self.workspace, tail=tail,
-                # every page read is a page of the sequence: never past its end, never -1 (but under `budget_mass`)
-                in_range=not self.variable,
-                logits=logits, out=out, table=store.table if slots is None else None, row_kv=row_kv, counts=counts,
+                query, store.k_pool, store.v_pool, slots, pages, store.length, scaling, token_valid, len(self.heads),
+                softcap, backend=self.cfg.backend, workspace=self.workspace, logits=logits, out=out,
+                table=store.table if slots is None else None, row_kv=row_kv,
+                in_range=True,  # every page read is a page of the sequence: never past its end, never -1
             )
         if self.pending is not None:
             # Deferred promotion: start the copies now, so they overlap the rest of the step.
@@ -324,15 +278,11 @@ class HeadGroup:
             self.pending = None
         return out
 
-    def pages_read(self) -> torch.Tensor:
-        """The pages `[N, M]` this group read at its last decode step (-1 entries: none; diagnosis and tests)."""
-        return self.last_read
-
     # -- several decode steps at once (speculative decoding's verification, `FlexiCacheLayer.attend`) -------------
     def can_attend_block(self) -> bool:
         """Whether `attend_block` serves this stable group between its rankings (the caller checks the schedule, the
         backend and the batch). Groups that rank at every step attend a block one step at a time."""
-        return self.kind == STABLE and self.pending is None and not self.variable and self.store is not None
+        return self.kind == STABLE and self.pending is None and self.store is not None
 
     def attend_block(self, query: torch.Tensor, lengths: torch.Tensor, scaling: float, check: bool,
                      out: torch.Tensor) -> list[int]:
@@ -344,14 +294,12 @@ class HeadGroup:
         store = self.store
         n, t, g, d = query.shape
         p = store.page_size
-        num_pages = store.num_pages
-        counts = [-(-(store.length - t + 1 + j) // p) for j in range(t)]  # each step's page count
         self.selector.forget()
         store.transfers.wait_promotions()
-        full = torch.div(lengths, p, rounding_mode="floor")  # [t] full pages at each step
         pages = self._resident_pages()  # the last step's; an earlier step's are these without the pages opened since
         m = pages.shape[1]
-        reads = [n * (m - (num_pages - c)) for c in counts]  # pages each step reads (its page count's)
+        # Pages each step reads: those of its page count.
+        reads = [n * (m - store.num_pages + -(-int(length) // p)) for length in lengths.tolist()]
         with self._timed("gather_attention"):
             row_kv = None if self.sel is None else store.row_view(self.sel, m)
             slots = None if row_kv is not None and not check else self._slots_for(pages)
@@ -368,56 +316,27 @@ class HeadGroup:
             bias = torch.zeros(n, t, m * p, dtype=keys.dtype, device=keys.device)
             bias.masked_fill_(pos >= lengths.view(1, t, 1), NEG_INF)
             bias = bias[:, :, None].expand(n, t, g, m * p).reshape(n, t * g, m * p)
-            q = query.view(n, t * g, d)
-            logits = torch.baddbmm(bias, q.to(keys.dtype), keys.transpose(1, 2), alpha=scaling).float()
-            if store.page_means is not None and store.full_pages:
-                tl, tv = self._tail_block(query, pages[:, None].expand(n, t, m), full, scaling)
-                logits = torch.cat([logits, tl.view(n, t * g, -1)], -1)
-                values = torch.cat([values[:, None].expand(n, t, *values.shape[1:]), tv.view(n, t, *tv.shape[1:])], 2)
-                probs = torch.softmax(logits, dim=-1).view(n * t, g, -1)
-                out.view(n * t, g, -1).copy_(torch.matmul(probs.to(values.dtype), values.reshape(n * t, *values.shape[2:])))
-            else:
-                probs = torch.softmax(logits, dim=-1)
-                out.view(n, t * g, -1).copy_(torch.matmul(probs.to(values.dtype), values))
-        self.read_pages += sum(reads)
-        self.read_rows += n * t
+            logits = torch.baddbmm(bias, query.view(n, t * g, d).to(keys.dtype), keys.transpose(1, 2), alpha=scaling)
+            probs = torch.softmax(logits.float(), dim=-1)
+            out.view(n, t * g, -1).copy_(torch.matmul(probs.to(values.dtype), values))
+        self._count(read_pages=sum(reads), read_rows=n * t)
         return reads
 
-    def _tail_block(self, query: torch.Tensor, read: torch.Tensor, full: torch.Tensor, scaling: float):
-        """`tail_terms` of `t` steps: `query [N, t, G, D]`, the pages each reads `read [N, t, M]`, the full pages of each
-        `full [t]` -> `(logits [N*t, G, F], values [N*t, F, Dv])` with F the full pages now (later ones -inf for a step)."""
-        store = self.store
-        n, t, g, d = query.shape
-        f = store.full_pages
-        means = store.page_means[:, :f]
-        logits = torch.matmul(query.view(n, t * g, d).float(), means[..., :d].float().transpose(1, 2)) * scaling
-        logits = logits + math.log(store.page_size)
-        skip = torch.zeros(n, t, f + 1, dtype=torch.bool, device=query.device)
-        skip.scatter_(2, read.clamp(max=f), True)
-        skip = skip[..., :f] | (torch.arange(f, device=query.device)[None, :] >= full[:, None])[None]
-        logits = logits.view(n, t, g, f).masked_fill(skip[:, :, None], NEG_INF).view(n * t, g, f)
-        values = means[..., d:][:, None].expand(n, t, f, means.shape[-1] - d).reshape(n * t, f, -1)
-        return logits, values
-
-    def patched_mark(self, mark: tuple, read_pages: int, read_rows: int) -> tuple:
-        """`mark` (taken before a token of a block, `attend_block`) with the read counters as they stand once the steps
-        before that token have run (a block changes nothing else of a stable group)."""
-        *rest, (ranked_pages, ranked_rows, _, _), carried = mark
-        return (*rest, (ranked_pages, ranked_rows, read_pages, read_rows), carried)
-
     # -- rollback (speculative decoding, `fc_hf/speculative.py`) -----------------------------------
-    def mark(self) -> tuple:
+    def mark(self) -> GroupMark:
         """This group's selection state and schedule now, with its store's mark (see `PagedKV.mark`)."""
-        return (self.store.mark(), self.sel, self.pages_at_rank, self.pending, self.compacted, self.rankings,
-                len(self.promoted_fractions), self.rank_next, self._after_append,
-                (self.ranked_pages, self.ranked_rows, self.read_pages, self.read_rows), self.selector.carried)
+        return GroupMark(self.store.mark(), self.sel, self.pages_at_rank, self.pending, self.compacted, self.rankings,
+                         len(self.promoted_fractions), self.rank_next, self._after_append, dict(self.counts),
+                         self.selector.carried)
 
-    def restore(self, mark: tuple) -> None:
-        store_mark, self.sel, self.pages_at_rank, self.pending, self.compacted, self.rankings, fractions, \
-            self.rank_next, self._after_append, counters, self.selector.carried = mark
-        self.ranked_pages, self.ranked_rows, self.read_pages, self.read_rows = counters
-        self.store.restore(store_mark)
-        del self.promoted_fractions[fractions:]
+    def restore(self, mark: GroupMark) -> None:
+        self.sel, self.pages_at_rank, self.pending, self.compacted = mark.sel, mark.pages_at_rank, mark.pending, \
+            mark.compacted
+        self.rankings, self.rank_next, self._after_append = mark.rankings, mark.rank_next, mark.after_append
+        self.counts = dict(mark.counts)
+        self.selector.carried = mark.carried
+        self.store.restore(mark.store)
+        del self.promoted_fractions[mark.promotions:]
         self._pages_memo = self._slots_memo = self._checked_slots = None
         self.selector.forget()
 
@@ -429,8 +348,5 @@ class HeadGroup:
             self.sel = self.sel[row_map]
         if self.selector.carried is not None:
             self.selector.carried = tuple(t[row_map] for t in self.selector.carried)
-        if self.selector.split is not None and self.selector.split_counts is not None:
-            self.selector.split_counts = self.selector.split_counts[row_map]
         if self.pending is not None:
             self.pending = (self.pending[0][row_map], self.pending[1])
-

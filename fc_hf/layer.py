@@ -1,17 +1,13 @@
 """`FlexiCacheLayer`: one full-attention layer's cache, made of head groups.
 
-Prefill (more than one new token: a prompt, a prefill chunk, a new turn) returns dense K/V for the
-model's own dense attention. A decode step (one new token) appends it to the pages and returns a
-placeholder that carries this layer; FlexiCache's attention function (see `attention.py`) finds it
-there and runs score -> select -> sparse attention. Any other attention function touching the
-placeholder raises, so a model not loaded with `attn_implementation="flexicache"` fails loudly
-instead of attending over a stand-in. While recording past states for speculative decoding, a
-forward of several tokens after the prompt is several decode steps (`fc_hf/speculative.py`).
+Prompt tokens (a prompt, a prefill chunk, a new turn: `prompt_tokens`) return dense K/V for the model's own dense
+attention. A decode step appends its token to the pages and returns a placeholder that carries this layer;
+FlexiCache's attention function (`attention.py`) finds it there and runs score -> select -> sparse attention. Any other
+attention function touching the placeholder raises, so a model not loaded with `attn_implementation="flexicache"` fails
+loudly. While recording for speculative decoding, every token after the prompt is a decode step (fc_hf/verify.py).
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 from transformers.cache_utils import CacheLayerMixin
@@ -19,6 +15,8 @@ from transformers.cache_utils import CacheLayerMixin
 from . import kernels
 from .errors import FlexiCacheError
 from .head_group import STABLE, STREAMING, UNSTABLE, HeadGroup
+from .online import regroup
+from .verify import VerifiedDecoding
 
 _METADATA_OPS = {"__get__", "size", "dim", "__repr__", "__format__", "__len__", "numel", "is_floating_point"}
 
@@ -60,7 +58,7 @@ def _placeholder(layer: "FlexiCacheLayer", batch: int, heads: int, length: int, 
     return ph
 
 
-class FlexiCacheLayer(CacheLayerMixin):
+class FlexiCacheLayer(VerifiedDecoding, CacheLayerMixin):
     """The FlexiCache store of one full-attention layer (never set `_layer_type` here; see SPEC §3)."""
 
     is_sliding = False
@@ -78,15 +76,7 @@ class FlexiCacheLayer(CacheLayerMixin):
         self.steps = 0  # decode steps seen by this layer
         self.pending = False  # a placeholder was handed out and not yet consumed by the attention function
         self.regrouped_after_step: int | None = None  # profile="auto": the step after which the heads were re-split
-        # Speculative decoding (`fc_hf/speculative.py`): while recording, a mark before each decode token, dropped at
-        # each crop; the decode tokens of a forward with several (K, V, and the prompt's K/V before them, or None)
-        # until its attention takes them.
-        self.record_past = False
-        self._marks: list[tuple] = []
-        self._block: tuple | None = None
-        # A block of decode tokens runs batched where that is exact (`_block_plan`); FLEXICACHE_BATCHED_VERIFY=0 (or
-        # this attribute False) runs every block one step at a time.
-        self.batched_verify = os.environ.get("FLEXICACHE_BATCHED_VERIFY", "1") != "0"
+        self._init_verification()
 
     def _make_groups(self, unstable: set[int], streaming: set[int]) -> list[HeadGroup]:
         kinds = {
@@ -94,9 +84,8 @@ class FlexiCacheLayer(CacheLayerMixin):
             UNSTABLE: sorted(unstable - streaming),
             STABLE: sorted(set(range(self.num_kv_heads)) - unstable - streaming),
         }
-        owner = self.owner
-        return [HeadGroup(kind, heads, self.cfg, owner.timings, owner.workspace, owner.mass_split if kind != STREAMING
-                          else None) for kind, heads in kinds.items() if heads]
+        return [HeadGroup(kind, heads, self.cfg, self.owner.timings, self.owner.workspace)
+                for kind, heads in kinds.items() if heads]
 
     # -- transformers CacheLayerMixin ------------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -130,7 +119,7 @@ class FlexiCacheLayer(CacheLayerMixin):
                 and self.steps == auto.boundary):  # before a decode step: a prefill chunk classifies nothing
             found = auto.decide(self.steps)  # the first layer classifies; None: postponed
             if found is not None:
-                self.regroup(auto.unstable_in(self.layer_idx))
+                regroup(self, auto.unstable_in(self.layer_idx))
         if prompt == t:
             return self._take_prompt(key_states, value_states)
         b, h = key_states.shape[:2]
@@ -153,27 +142,26 @@ class FlexiCacheLayer(CacheLayerMixin):
 
     def prompt_tokens(self, t: int) -> int:
         """How many of `t` new tokens are a prompt (or a prefill chunk, a new turn) that attends densely; the others
-        are decode steps. One token on a filled cache is a decode step, several are a prompt, except while
-        recording past states for speculative decoding: then every token after the prompt is a decode step, so each
-        verified candidate attends as plain decoding would have (`fc_hf/speculative.py`)."""
+        are decode steps. Several tokens are a prompt, and so is one that generate feeds as a prompt (a chunk or a
+        turn of one token, `FlexiCache.prefilling`); another single token on a filled cache is a decode step. While
+        recording past states for speculative decoding every token after the prompt is a decode step, so each verified
+        candidate attends as plain decoding would have (`fc_hf/speculative.py`)."""
         if not self.record_past:
-            return t if t > 1 or self.length == 0 else 0
+            return t if t > 1 or self.length == 0 or self.owner.prefilling else 0
         end = self.owner.prompt_end
-        if end is None:  # where the prompt ends is not known: the first forward is taken as the prompt
-            end = t if self.length == 0 else self.length
-        return min(t, max(0, end - self.length))
+        return min(t, max(0, (self.length if end is None else end) - self.length))
 
     def _take_prompt(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Append tokens that attend densely (a prompt, a chunk, a turn); returns the K/V they attend over."""
         t = key_states.shape[2]
         past = self.length
-        if past > 0 and t > 1:
+        if past > 0:
             # Tokens on a filled cache (a prefill chunk, a new turn): they attend exactly, over every earlier token
             # read back from both tiers (this layer only) and over each other; read before the append drops pages.
             key_all, value_all = self._with_past(key_states, value_states)
         self._append(key_states, value_states)
         self.length += t
-        if past > 0 and t > 1:
+        if past > 0:
             key_states, value_states = key_all, value_all
         auto = self.owner.auto
         if auto is not None and auto.observing and not auto.done and t > 1:
@@ -188,24 +176,23 @@ class FlexiCacheLayer(CacheLayerMixin):
         """Append one decode step's token `[B, H, 1, D]` (marked first while recording, so `crop` can take it back)."""
         if self.record_past:
             self._marks.append(self._mark())
-        self._append(key, value)
+        self._append(key, value, prompt=False)
         self.length += 1
         self.steps += 1
 
-    def _append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        t = key_states.shape[2]
+    def _append(self, key_states: torch.Tensor, value_states: torch.Tensor, prompt: bool = True) -> None:
         backend = self.cfg.backend
         if len(self.groups) == 1:  # one group holds every head, in order: nothing to pick
-            self.groups[0].append(key_states, value_states, backend=backend)
-        elif t == 1 and kernels.backend_for(key_states, backend) == "triton":
+            self.groups[0].append(key_states, value_states, prompt, backend=backend)
+        elif not prompt and kernels.backend_for(key_states, backend) == "triton":
             for group in self.groups:  # one launch per group picks its heads and writes K and V
-                group.append(key_states, value_states, heads=group.head_index, backend=backend)
+                group.append(key_states, value_states, prompt, heads=group.head_index, backend=backend)
         else:  # the heads in group order once, then each group takes its span (a view)
             perm, spans, _ = self._head_order()
             kp = key_states if perm is None else key_states.index_select(1, perm)
             vp = value_states if perm is None else value_states.index_select(1, perm)
             for group, (lo, hi) in zip(self.groups, spans):
-                group.append(kp[:, lo:hi], vp[:, lo:hi], backend=backend)
+                group.append(kp[:, lo:hi], vp[:, lo:hi], prompt, backend=backend)
 
     def _with_past(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """`[B, H, L + T, D]` keys and values: the L tokens held (from the device where resident, else the host tier,
@@ -276,50 +263,6 @@ class FlexiCacheLayer(CacheLayerMixin):
     def reset(self) -> None:
         raise FlexiCacheError("FlexiCache cannot be reset in place; create a new FlexiCache instead.")
 
-    # -- speculative decoding (`fc_hf/speculative.py`) ---------------------------------------------
-    def activate_past_recording(self) -> None:
-        self.record_past = True
-
-    def crop(self, tokens_to_remove: int) -> None:
-        """Take back the last `-tokens_to_remove` tokens (the rejected candidates of a verification), exactly: the
-        layer is then as if it had never seen them. 0 commits. Either way the marks taken since the last crop go."""
-        mark = self.crop_mark(tokens_to_remove)
-        if mark is not None:
-            length, steps, groups = mark
-            for group, group_mark in zip(self.groups, groups):
-                group.restore(group_mark)
-            self.length, self.steps = length, steps
-        self.commit()
-
-    def crop_mark(self, tokens_to_remove: int) -> tuple | None:
-        """The mark `crop(tokens_to_remove)` restores (None for 0); raises, changing nothing, when there is none."""
-        if tokens_to_remove > 0:
-            raise FlexiCacheError(
-                f"crop({tokens_to_remove}): FlexiCache takes the number of tokens to remove as a negative number "
-                "(crop(-n)), as transformers' caches do; crop(0) keeps every token."
-            )
-        if tokens_to_remove == 0:
-            return None
-        target = self.length + tokens_to_remove
-        for mark in self._marks:
-            if mark[0] == target:
-                return mark
-        raise FlexiCacheError(
-            f"crop({tokens_to_remove}) on a FlexiCache holding {self.length} tokens: it can take back only decode "
-            f"tokens fed since its last crop while recording past states ({len(self._marks)} now). Call "
-            "cache.activate_past_recording() before those tokens (transformers' assisted decoding and prompt lookup "
-            "do). Nothing was changed."
-        )
-
-    def commit(self) -> None:
-        """Drop the marks: the tokens fed so far stay."""
-        self._marks.clear()
-        for store in self.stores():
-            store.drop_marks()
-
-    def _mark(self) -> tuple:
-        return (self.length, self.steps, [group.mark() for group in self.groups])
-
     def offload(self):  # the host tier is FlexiCache's own; transformers' whole-layer offloading does not apply
         pass
 
@@ -346,109 +289,16 @@ class FlexiCacheLayer(CacheLayerMixin):
         self.batch = int(indices.numel())
 
     # -- decode attention ------------------------------------------------------------------------
-    def take_prompt_kv(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The K/V the prompt's queries attend over when this forward began with a prompt before its decode steps (the
-        first forward of speculative decoding; the attention function attends them densely), else None."""
-        return None if self._block is None else self._block[2]
-
     def attend(self, query: torch.Tensor, attention_mask, scaling: float, softcap: float | None) -> torch.Tensor:
-        """Sparse decode attention for this layer's decode steps. `query [B, Hq, T, D]` -> `[B, T, Hq, D]`.
-
-        Several decode steps in one forward (speculative decoding): every query ranks, selects and attends as it would
-        at its own step of plain decoding, including a stable head's re-rank among them, which the queries after it
-        see. In runs of steps without a stable re-rank (`_block_plan`, `_attend_block`) the stable groups read their
-        pages once for all the run's queries; everything else runs one step at a time, each token appended just before
-        its query attends."""
+        """Sparse decode attention for this layer's decode steps. `query [B, Hq, T, D]` -> `[B, T, Hq, D]`: one step,
+        or the block of decode tokens a verification forward brought (`VerifiedDecoding._attend_verified`)."""
         self.pending = False
         block, self._block = self._block, None
-        if block is None:
-            if query.shape[2] != 1:
-                raise FlexiCacheError(f"FlexiCache decode expects one query token, got {query.shape[2]}.")
-            return self._attend_step(query, attention_mask, scaling, softcap)
-        keys, values, _ = block
-        b, hq, t, _ = query.shape
-        if keys.shape[2] != t:
-            raise FlexiCacheError(
-                f"FlexiCache layer {self.layer_idx} was given {keys.shape[2]} decode tokens but {t} queries."
-            )
-        out = query.new_empty(b, t, hq, self.value_dim)
-        for start, end, batched in self._block_plan(query, attention_mask, t, softcap):
-            if not batched:
-                for j in range(start, end):
-                    self._decode_token(keys[:, :, j : j + 1], values[:, :, j : j + 1])
-                    out[:, j : j + 1] = self._attend_step(query[:, :, j : j + 1], attention_mask, scaling, softcap)
-                continue
-            out[:, start:end] = self._attend_block(query[:, :, start:end], keys[:, :, start:end],
-                                                   values[:, :, start:end], scaling)
-        return out
-
-    def _block_plan(self, query: torch.Tensor, attention_mask, t: int, softcap) -> list[tuple[int, int, bool]]:
-        """How `attend` runs a block of `t` decode tokens: `(start, end, batched)` spans in order. Batched spans
-        (`_attend_block`) are runs of >= 2 steps with no stable re-rank among them; the rest runs one step at a time,
-        as plain decoding.
-
-        Batched only where it is exact in semantics and there is something to share: PyTorch backend, one sequence
-        without padding, no softcap, no profile="auto", no variable pages, stable groups that can read a block
-        (`HeadGroup.can_attend_block`)."""
-        single = [(0, t, False)]
-        stable = [g for g in self.groups if g.kind == STABLE]
-        if (not self.batched_verify or t < 2 or query.shape[0] != 1 or softcap is not None or self.owner.auto is not None
-                or not self.record_past or self.cfg.variable_pages or not stable
-                or kernels.backend_for(query, self.cfg.backend) != "torch"
-                or not all(g.can_attend_block() for g in stable)):
-            return single
-        if self.owner.padding_info(attention_mask, self.length + t, self.cfg.page_size)[0] is not None:
-            return single
-        keys = []  # per step: whether it can be batched (no stable ranking at it; rank_next: first step only)
-        for j in range(t):
-            step = self.steps + j + 1
-            keys.append(not any((g.rank_next and j == 0) or g.is_scheduled(step) for g in stable))
-        plan, start = [], 0
-        while start < t:
-            end = start + 1
-            while end < t and keys[end] and keys[start]:
-                end += 1
-            batched = keys[start] and end - start >= 2
-            if plan and not batched and not plan[-1][2]:
-                plan[-1] = (plan[-1][0], end, False)
-            else:
-                plan.append((start, end, batched))
-            start = end
-        return plan
-
-    def _attend_block(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float):
-        """The attention of `t` decode steps (`_block_plan`): `query [1, Hq, t, D]`, their K/V `[1, H, t, D]` ->
-        `[1, t, Hq, Dv]`. Token j is appended, then the groups that rank at every step attend query j exactly as a
-        step does (`HeadGroup.attend`); once all are in, each stable group reads its pages once for the t queries
-        (`HeadGroup.attend_block`). The marks taken before these tokens get the stable groups' read counters as the
-        single steps would have left them, so `crop` restores exactly."""
-        _, hq, t, d = query.shape
-        g = hq // self.num_kv_heads
-        first = len(self._marks)
-        lengths = torch.arange(self.length + 1, self.length + t + 1, device=query.device)
-        check = self.owner.residency_check_for(self.device)
-        perm, spans, inverse = self._head_order()
-        q = query[0].view(self.num_kv_heads, g, t, d).transpose(1, 2)  # [H, t, G, D]
-        q = (q if perm is None else q.index_select(0, perm)).contiguous()
-        ordered = query.new_empty(self.num_kv_heads, t, g, self.value_dim)
-        stepwise = [(grp, lo, hi) for grp, (lo, hi) in zip(self.groups, spans) if grp.kind != STABLE]
-        for j in range(t):
-            self._decode_token(keys[:, :, j : j + 1], values[:, :, j : j + 1])
-            for grp, lo, hi in stepwise:
-                ordered[lo:hi, j] = grp.attend(q[lo:hi, j], self.steps, None, None, scaling, None, check)
-        for grp, (lo, hi) in zip(self.groups, spans):
-            if grp.kind != STABLE:
-                continue
-            at = self.groups.index(grp)
-            pages, rows = grp.read_pages, grp.read_rows
-            reads = grp.attend_block(q[lo:hi], lengths, scaling, check, ordered[lo:hi])
-            for i in range(t - 1):  # the mark before token i + 1: the counters once step i has run
-                length, steps, marks = self._marks[first + i + 1]
-                marks = list(marks)
-                marks[at] = grp.patched_mark(marks[at], pages + sum(reads[: i + 1]), rows + (i + 1) * (hi - lo))
-                self._marks[first + i + 1] = (length, steps, marks)
-        out = ordered if inverse is None else ordered.index_select(0, inverse)
-        return out.transpose(0, 1).reshape(1, t, hq, self.value_dim)
+        if block is not None:
+            return self._attend_verified(query, block, attention_mask, scaling, softcap)
+        if query.shape[2] != 1:
+            raise FlexiCacheError(f"FlexiCache decode expects one query token, got {query.shape[2]}.")
+        return self._attend_step(query, attention_mask, scaling, softcap)
 
     def _attend_step(self, query: torch.Tensor, attention_mask, scaling: float, softcap: float | None) -> torch.Tensor:
         """One decode step's attention, its token appended already. `query [B, Hq, 1, D]` -> `[B, 1, Hq, D]`."""
@@ -457,33 +307,22 @@ class FlexiCacheLayer(CacheLayerMixin):
         q = query.reshape(b, self.num_kv_heads, groups, d)
         token_valid, page_valid_full = self.owner.padding_info(attention_mask, self.length, self.cfg.page_size)
         check = self.owner.residency_check_for(self.device)
-        if b == 1 and len(self.groups) > 1:
-            # One pick of the heads in group order; each group reads its span of it (a view) and writes its output
-            # into its span of one buffer in that order, which one pick puts back in head order.
-            perm, spans, inverse = self._head_order()
-            q_ordered = q if perm is None else q.index_select(1, perm)
-            ordered = query.new_empty(self.num_kv_heads, groups, self.value_dim)
-            for group, (lo, hi) in zip(self.groups, spans):
-                qg = q_ordered[0, lo:hi]
-                page_valid = None if page_valid_full is None else page_valid_full.expand(hi - lo, -1)
-                group.attend(qg, self.steps, token_valid, page_valid, scaling, softcap, check, out=ordered[lo:hi])
-            out = ordered if inverse is None else ordered.index_select(0, inverse)
-        else:
-            out = None
-            for group in self.groups:
-                hg = len(group.heads)
-                qg = q if hg == self.num_kv_heads else q.index_select(1, group.head_index)
-                qg = qg.reshape(b * hg, groups, d)
-                page_valid = None
-                if page_valid_full is not None:
-                    page_valid = page_valid_full[:, None, :].expand(b, hg, -1).reshape(b * hg, -1)
-                og = group.attend(qg, self.steps, token_valid, page_valid, scaling, softcap, check)
-                if hg == self.num_kv_heads:  # one group holds every head, in order: its output is the layer's
-                    out = og.view(b, hg, groups, self.value_dim)
-                else:
-                    if out is None:
-                        out = query.new_empty(b, self.num_kv_heads, groups, self.value_dim)
-                    out.index_copy_(1, group.head_index, og.view(b, hg, groups, self.value_dim))
+        # One pick of the heads in group order; each group reads its span of it and writes its output into its span of
+        # one buffer in that order (in place at batch 1), which one pick puts back in head order.
+        perm, spans, inverse = self._head_order()
+        q = q if perm is None else q.index_select(1, perm)
+        out = query.new_empty(b, self.num_kv_heads, groups, self.value_dim)
+        for group, (lo, hi) in zip(self.groups, spans):
+            hg = hi - lo
+            page_valid = None
+            if page_valid_full is not None:
+                page_valid = page_valid_full[:, None].expand(b, hg, -1).reshape(b * hg, -1)
+            og = group.attend(q[:, lo:hi].reshape(b * hg, groups, d), self.steps, token_valid, page_valid, scaling,
+                              softcap, check, out=out[0, lo:hi] if b == 1 else None)
+            if b > 1:
+                out[:, lo:hi] = og.view(b, hg, groups, self.value_dim)
+        if inverse is not None:
+            out = out.index_select(1, inverse)
         auto = self.owner.auto
         if auto is not None and self.regrouped_after_step is None:  # warm-up: one group, every head unstable
             warm = self.groups[0]
@@ -491,44 +330,10 @@ class FlexiCacheLayer(CacheLayerMixin):
         return out.view(b, hq, self.value_dim).unsqueeze(1)
 
     # -- profile="auto" (online.py) -----------------------------------------------------------------
-    def observe_prefill(self, query: torch.Tensor, attention_mask, scaling: float) -> None:
+    def observe_prefill(self, query: torch.Tensor, attention_mask) -> None:
         """Zero warm-up: hand the prefill queries `[B, Hq, T, D]` to the online classifier."""
         _, page_valid = self.owner.padding_info(attention_mask, self.length, self.cfg.page_size)
-        self.owner.auto.observe_prefill(self.layer_idx, query, self.groups[0].store, page_valid, scaling)
-
-    def regroup(self, unstable: set[int]) -> None:
-        """Re-split the heads into the groups a cache built with `unstable` would have, keeping every token.
-
-        Each new group's store receives its heads' K/V (MinMax entries and, for stable heads, the host
-        tier written as a prefill writes them) and takes its heads' last selection as its own, moving
-        tiers as that ranking would have (stable heads keep only it on the device).
-        """
-        old = self.groups
-        if len(old) != 1:
-            raise FlexiCacheError("FlexiCache bug: profile='auto' re-splits a layer whose heads form one warm-up group.")
-        warm = old[0]
-        self.owner.auto.warmup_rankings += warm.rankings
-        self.regrouped_after_step = self.steps
-        if not self.is_initialized:
-            self.groups = self._make_groups(unstable, set())
-            return
-        k, v = self.dense_kv()
-        self.groups = self._make_groups(unstable, set())
-
-        def rows(t, idx):  # a warm-up tensor's rows `[B * H, X]` of the heads `idx`
-            t = t.view(self.batch, self.num_kv_heads, -1)
-            return t.index_select(1, idx).reshape(-1, t.shape[-1])
-
-        carried = warm.selector.carried
-        for group in self.groups:
-            group.init_store(self.batch, self.head_dim, self.value_dim, self.dtype, self.device, self.owner.ledger)
-            idx = group.head_index
-            group.append(k.index_select(1, idx), v.index_select(1, idx))
-            if warm.sel is not None:
-                group.adopt_selection(rows(warm.sel, idx), warm.pages_at_rank,
-                                      None if carried is None else tuple(rows(t, idx) for t in carried))
-        warm.store.free_device()
-        warm.store = None
+        self.owner.auto.observe_prefill(self.layer_idx, query, self.groups[0].store, page_valid)
 
     # -- accounting ------------------------------------------------------------------------------
     def stores(self):

@@ -1,10 +1,8 @@
 """`DeviceLedger`: the device KV bytes a cache holds now, and the most it has held (its high-water mark).
 
-Counted, not estimated: every page pool a store allocates or drops goes through `resized`, the dense
-layers' K/V through `resized` too, and a multi-token step on a filled cache reports the one-layer
-read-back it allocates (`transient`) — the K/V of every earlier token of that layer, handed to the
-model's dense attention and freed with it. Metadata (MinMax entries, block tables) is reported apart
-by `FlexiCache.memory_report`.
+Counted, not estimated: every page pool a store allocates or drops and the dense layers' K/V go through `resized`;
+tokens added to a filled cache report the one-layer read-back they allocate (`transient`). Metadata (MinMax entries,
+block tables) is reported apart by `FlexiCache.memory_report`.
 """
 
 from __future__ import annotations
@@ -25,7 +23,3 @@ class DeviceLedger:
     def transient(self, nbytes: int) -> None:
         """`nbytes` are held on top of `current` for a while (a layer's read-back), then freed."""
         self.peak = max(self.peak, self.current + nbytes)
-
-    def reset_peak(self) -> None:
-        """Start a new high-water mark from what is held now."""
-        self.peak = self.current

@@ -1,31 +1,12 @@
 """Online head classification: `FlexiCache(config, cache_config, profile="auto")` needs no offline profile.
 
-Warm-up. For the first `W = FlexiCacheConfig.warmup_steps` decode steps every head is unstable
-(Quest: ranked every step, every page on the device), and the cache records the pages each
-(layer, KV head, row) selected at each step: what Quest computes anyway, nothing else is scored.
-
-Classification. At the start of step W + 1 the recorded trace goes through the profiler's own
-metrics (`fc_hf.stability`): `temporal_stability` of each batch row (window 16 as offline, or W when
-the warm-up is shorter; every row counts as one sample, as every prompt does offline; `N_t` is that
-row's non-padding pages), then one
-classification over all rows (`count_unstable` + `select_unstable`, which is `classify_heads`):
-the `unstable_fraction` of the heads unstable in the most TS windows stay unstable, the rest
-become stable. W is a multiple of `rerank_interval`, so step W is a step at which a stable head of
-a cache built with that profile from the start ranks; each layer re-splits its heads into that
-cache's groups, moves the stored pages into the new groups' stores, and each group takes its
-heads' step-W selection as its current one (a stable head drops every other page to the host
-tier). From step W + 1 on the cache holds, selects and attends exactly as that cache would.
-
-Nothing to classify yet. When no window of the trace is defined (every step had at most K pages:
-the budget covers every sequence, so stable or unstable makes no difference so far), the
-classification is retried W steps later, on the next W steps.
-
-Zero warm-up (`warmup_steps=0`). The trace comes from the prompt's last `OBSERVED_QUERIES`
-positions at prefill, an observation window: each position's own top-K (its queries, scored as a
-decode step scores, over the pages that existed at that position). The heads are re-split before
-the first decode step, so memory is saved from step 1. Only models whose attention receives the K
-the cache returned see the window; when none arrived, a warm-up of `FALLBACK_STEPS` (rounded up to
-a multiple of the re-rank intervals) is used instead.
+Warm-up: for the first `W = warmup_steps` decode steps every head is unstable (Quest) and the cache records each
+(layer, KV head, row)'s pages. At step W + 1 the trace goes through the profiler's metrics (`fc_hf.stability`), the
+`unstable_fraction` of heads unstable in the most windows stay unstable, and each layer re-splits its heads into the
+groups a cache built with that profile has (`regroup`), each continuing from its heads' step-W ranking (W is a multiple
+of `rerank_interval`). With no window defined yet (the budget covers every sequence) it retries W steps later.
+Zero warm-up: the trace is the prompt's last `OBSERVED_QUERIES` positions' own top-K at prefill; without a prefill
+query a warm-up of `FALLBACK_STEPS` (rounded up to a multiple of `rerank_interval`) is used instead.
 """
 
 from __future__ import annotations
@@ -35,7 +16,8 @@ import math
 import torch
 
 from . import kernels
-from .selection import POS_INF, combine_group, force_recent_pages, head_bounds
+from .errors import FlexiCacheError
+from .selection import POS_INF
 from .stability import count_unstable, select_unstable, temporal_stability
 
 TS_WINDOW = 16  # SPEC §2: W of the temporal stability (the offline profiles use 16 too)
@@ -47,8 +29,7 @@ def warmup_period(cfg) -> int:
     """Steps between classification attempts: `warmup_steps`, or the fallback when it is 0."""
     if cfg.warmup_steps:
         return cfg.warmup_steps
-    step = math.lcm(cfg.rerank_interval, cfg.unstable_rerank_interval)
-    return step * max(1, math.ceil(FALLBACK_STEPS / step))
+    return cfg.rerank_interval * max(1, math.ceil(FALLBACK_STEPS / cfg.rerank_interval))
 
 
 def check_auto_config(cfg) -> None:
@@ -57,33 +38,20 @@ def check_auto_config(cfg) -> None:
     if w == 1:
         raise ValueError('profile="auto" needs FlexiCacheConfig.warmup_steps >= 2 (a TS window compares a step with '
                          "later ones), or 0 for the prefill's observation window.")
-    for name in ("rerank_interval", "unstable_rerank_interval"):
-        interval = getattr(cfg, name)
-        if w % interval:
-            fix = interval * max(1, round(w / interval))
-            raise ValueError(
-                f'profile="auto" needs FlexiCacheConfig.warmup_steps ({w}) to be a multiple of {name} ({interval}), '
-                f"so the heads are re-split right after a step at which a stable head ranks; try warmup_steps={fix}."
-            )
+    interval = cfg.rerank_interval
+    if w % interval:
+        fix = interval * max(1, round(w / interval))
+        raise ValueError(
+            f'profile="auto" needs FlexiCacheConfig.warmup_steps ({w}) to be a multiple of rerank_interval ({interval}), '
+            f"so the heads are re-split right after a step at which a stable head ranks; try warmup_steps={fix}."
+        )
     if cfg.streaming_heads:
         raise ValueError('profile="auto" classifies every KV head; it does not combine with streaming_heads.')
-    if cfg.variable_pages:
-        raise ValueError('profile="auto" classifies heads from K-page selections (temporal stability compares top-K sets); '
-                         "it does not combine with budget_mass or budget_split='mass' yet. Use a saved profile "
-                         "(HeadProfile.load) or profile=None with them.")
-    if cfg.stable_page_score is not None and cfg.stable_page_score != cfg.page_score:
-        raise ValueError(
-            'profile="auto" hands stable heads the selection their warm-up ranking made (page_score); '
-            f"stable_page_score={cfg.stable_page_score!r} would rank them differently. Use stable_page_score=None."
-        )
 
 
 def classify_trace(samples, unstable_fraction: float, window: int = TS_WINDOW):
-    """`(unstable set, tally)` of traces `[(topk [D, L, H, K], num_pages [D]), ...]` (one per sample), or `(None, tally)`.
-
-    TS of every sample (`temporal_stability`), then one classification over all of their windows
-    (`count_unstable` + `select_unstable`: `classify_heads`). None when no window is defined.
-    """
+    """`(unstable set, tally)` of traces `[(topk [D, L, H, K], num_pages [D]), ...]` (one per sample): TS of each,
+    then one classification over all their windows; `(None, tally)` when no window is defined."""
     ts_list = [temporal_stability(topk, num_pages, window) for topk, num_pages in samples]
     ts_list = [ts for ts in ts_list if ts.shape[0]]  # a trace shorter than one window has none
     if not ts_list:
@@ -95,13 +63,8 @@ def classify_trace(samples, unstable_fraction: float, window: int = TS_WINDOW):
 
 
 class OnlineClassifier:
-    """The warm-up trace of one `FlexiCache` and the classification made from it (see the module docstring).
-
-    Args:
-        layer_ids (`list[int]`): indices of the cache's FlexiCache layers (dense and sliding layers have no trace).
-        num_kv_heads (`int`): KV heads per layer.
-        cfg (`FlexiCacheConfig`): page size, budget, `warmup_steps`, `unstable_fraction`, selection policy.
-    """
+    """The warm-up trace of one `FlexiCache` (its FlexiCache layers `layer_ids`, `num_kv_heads` each) and the
+    classification made from it (see the module docstring)."""
 
     def __init__(self, layer_ids: list[int], num_kv_heads: int, cfg):
         self.layer_ids = list(layer_ids)
@@ -150,18 +113,10 @@ class OnlineClassifier:
             valid[slot] = page_valid.sum(dim=1)
         self.filled[layer] = slot + 1
 
-    def observe_prefill(self, layer: int, query: torch.Tensor, store, page_valid: torch.Tensor | None,
-                        scaling: float) -> None:
-        """Trace the prompt's last `OBSERVED_QUERIES` positions of one layer at prefill (zero warm-up).
-
-        Each position's entry is the top-K by the page score with a decode step's forcing; refinement
-        (`refine_pages`) is not applied here, as it would read every candidate's keys for every position.
-
-        Args:
-            query (`torch.Tensor` of shape `[B, Hq, T, D]`): the prefill queries (post-RoPE).
-            store (`PagedKV`): the layer's single warm-up store (all heads), holding the prompt.
-            page_valid (`torch.Tensor` of shape `[B, Np]`, *optional*): pages holding any non-padding token.
-        """
+    def observe_prefill(self, layer: int, query: torch.Tensor, store, page_valid: torch.Tensor | None) -> None:
+        """Trace the prompt's last `OBSERVED_QUERIES` positions of one layer at prefill (zero warm-up): each position's
+        top-K by the page score with a decode step's forcing (not refined: that would read every candidate's keys for
+        every position). `query [B, Hq, T, D]`, the layer's warm-up `store`, `page_valid [B, Np]` or None."""
         if not self.observing or self.done:
             return
         b, hq, t, d = query.shape
@@ -172,18 +127,15 @@ class OnlineClassifier:
         current = positions // p  # the page being filled at each position
         num_pages = int(current[-1]) + 1
         q = query[:, :, t - w :].reshape(b, h, g, w, d).reshape(n, g * w, d)
-        sub = store.subpages
-        bounds = head_bounds(q, store.meta, num_pages * sub)  # [N, G*w, Np*S]
-        if sub > 1:  # a page's bound is its best sub-page's (PageSelector.page_scores)
-            bounds = bounds.view(n, g * w, num_pages, sub).amax(dim=-1)
-        bounds = bounds.view(n, g, w, num_pages).transpose(1, 2)  # [N, w, G, Np]
+        sub = store.minmax.subpages
+        # The Quest bound of every sub-page, max over the sub-pages of a page and over the group (`PageSelector`).
+        bounds = kernels.torch_backend.bounds_per_head(q, store.meta, num_pages * sub)  # [N, G*w, Np*S]
+        bounds = bounds.view(n, g, w, num_pages, sub).amax(dim=(1, 4))  # [N, w, Np]
         allowed = torch.arange(num_pages, device=query.device)[None, :] <= current[:, None]  # causal, [w, Np]
         allowed = allowed[None].expand(n, w, num_pages)
         if page_valid is not None:
             allowed = allowed & page_valid[:, None, :num_pages].repeat_interleave(h, dim=0)
-        how = self.cfg.page_score if self.cfg.page_score in ("quest", "group_mean") else "quest"
-        scores = combine_group(bounds.reshape(n * w, g, num_pages), how, scaling, allowed.reshape(n * w, num_pages))
-        scores = scores.view(n, w, num_pages)
+        scores = bounds.masked_fill(~allowed, float("-inf"))
         topk, valid = self._buffers(layer, max(self.period, w), n, b, query.device)
         topk[:w] = -1
         valid[:w] = allowed.reshape(b, h, w, num_pages)[:, 0].sum(-1).t().to(valid.dtype)  # pages of each row there
@@ -191,7 +143,6 @@ class OnlineClassifier:
             idx = (current == c).nonzero().flatten()
             s = scores[:, idx, : c + 1].reshape(-1, c + 1).clone()  # [N * |idx|, c + 1]
             # The forcing a decode step applies (PageSelector.scores), relative to this position's page.
-            force_recent_pages(s, self.cfg.recent_pages)
             s[:, c] = POS_INF
             pv = None if page_valid is None else page_valid[:, : c + 1].repeat_interleave(h * idx.numel(), dim=0)
             s = kernels.force_sink_pages(s, self.cfg.sink_pages, pv)
@@ -214,10 +165,8 @@ class OnlineClassifier:
 
     # -- classification -------------------------------------------------------------------------
     def trace(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """The trace of the current attempt, one `(topk [D, L, H, K], num_pages [D])` per batch row (on the CPU).
-
-        L counts FlexiCache layers only (`layer_ids`); D is the number of steps every layer recorded.
-        """
+        """The current attempt's trace, one `(topk [D, L, H, K], num_pages [D])` per batch row (on the CPU); L counts
+        FlexiCache layers only, D the steps every layer recorded."""
         if not self.topk or any(layer not in self.topk for layer in self.layer_ids):
             return []
         d = min(self.filled.get(layer, 0) for layer in self.layer_ids)
@@ -235,11 +184,8 @@ class OnlineClassifier:
         return min(TS_WINDOW, OBSERVED_QUERIES if self.observing else self.period)
 
     def decide(self, step: int) -> set[tuple[int, int]] | None:
-        """Classify at the end of decode step `step` (the boundary); None postpones by one period.
-
-        Called by each layer about to start step `step + 1`; the first call classifies, the others
-        get the same answer.
-        """
+        """Classify at the end of decode step `step` (the boundary); None postpones by one period. Each layer about
+        to start step `step + 1` asks; the first call classifies, the others get the same answer."""
         if self.done or step != self.boundary:
             return self.unstable
         samples = self.trace()
@@ -298,3 +244,34 @@ class OnlineClassifier:
             "mean_ts": [[None if x != x else round(x, 4) for x in row] for row in ts_mean.double().tolist()],
             "unstable_counts": self.tally["counts"].tolist(),
         }
+
+
+def regroup(layer, unstable: set[int]) -> None:
+    """Re-split `layer`'s heads (one warm-up group) into the groups a cache built with `unstable` would have, keeping
+    every token: each new group's store receives its heads' K/V as a prompt's, then takes their last selection (and
+    carried candidates) as its own, moving tiers as that ranking would have."""
+    if len(layer.groups) != 1:
+        raise FlexiCacheError("FlexiCache bug: profile='auto' re-splits a layer whose heads form one warm-up group.")
+    warm = layer.groups[0]
+    layer.owner.auto.warmup_rankings += warm.rankings
+    layer.regrouped_after_step = layer.steps
+    if not layer.is_initialized:
+        layer.groups = layer._make_groups(unstable, set())
+        return
+    k, v = layer.dense_kv()
+    layer.groups = layer._make_groups(unstable, set())
+
+    def rows(t, idx):  # a warm-up tensor's rows `[B * H, X]` of the heads `idx`
+        t = t.view(layer.batch, layer.num_kv_heads, -1)
+        return t.index_select(1, idx).reshape(-1, t.shape[-1])
+
+    carried = warm.selector.carried
+    for group in layer.groups:
+        group.init_store(layer.batch, layer.head_dim, layer.value_dim, layer.dtype, layer.device, layer.owner.ledger)
+        idx = group.head_index
+        group.append(k.index_select(1, idx), v.index_select(1, idx), prompt=True)
+        if warm.sel is not None:
+            group.adopt_selection(rows(warm.sel, idx), warm.pages_at_rank,
+                                  None if carried is None else tuple(rows(t, idx) for t in carried))
+    warm.store.free_device()
+    warm.store = None

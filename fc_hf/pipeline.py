@@ -1,9 +1,5 @@
-"""A text-generation pipeline that gives every call a fresh `FlexiCache`.
-
-A FlexiCache serves exactly one `generate` call, but the stock `text-generation` pipeline forwards
-one `past_key_values` object to every call. `FlexiCacheTextGenerationPipeline` builds a new cache
-inside each forward pass instead (one per batch of prompts), so a pipeline user gets FlexiCache in
-one line:
+"""A text-generation pipeline that gives every call a fresh `FlexiCache` (the stock one would hand one cache to every
+call), so a pipeline user gets FlexiCache in one line:
 
     >>> from fc_hf import FlexiCacheConfig, flexicache_pipeline
     >>> pipe = flexicache_pipeline("path/to/model", cache_config=FlexiCacheConfig(token_budget=1024))
@@ -97,9 +93,7 @@ def flexicache_pipeline(
 
     Args:
         model (`str | os.PathLike | PreTrainedModel`): a model folder or hub name (loaded with
-            attn_implementation="flexicache"), or a loaded causal LM. A loaded model not already on
-            "flexicache" is switched to it with `set_attn_implementation` (layers FlexiCache does not
-            manage, and any other cache, still use sdpa).
+            attn_implementation="flexicache"), or a loaded causal LM (switched to "flexicache" if it is not).
         tokenizer (`str | PreTrainedTokenizerBase`, *optional*): defaults to the model's own.
         cache_config (`FlexiCacheConfig`, *optional*): settings of every cache.
         profile (`HeadProfile | str`, *optional*): a profile, a path/bundled name for `HeadProfile.load`, or "auto".

@@ -96,9 +96,6 @@ class HeadProfile:
         model_id = kwargs.pop("model_id", getattr(config, "_name_or_path", None) or None)
         return cls(layers, kv_heads, set(map(tuple, pairs)), head_dim=head_dim, model_id=model_id, **kwargs)
 
-    def is_unstable(self, layer: int, kv_head: int) -> bool:
-        return (layer, kv_head) in self.unstable
-
     def check(self, config) -> None:
         """Raise a clear `ProfileError` unless this profile was made for a model of `config`'s attention shape."""
         layers, kv_heads, head_dim = attention_shape(config)

@@ -1,61 +1,70 @@
-"""Speculative decoding on a FlexiCache: what transformers' assisted loop asks of a cache, and how FlexiCache answers.
+"""What FlexiCache reads of transformers' `generate`, and what speculative decoding asks of the cache.
 
-transformers' `GenerationMixin._assisted_decoding` (`generate(..., prompt_lookup_num_tokens=k)`, `assistant_model=`)
-drives the target model's cache so (5.24, batch 1 only):
-1. `cache.activate_past_recording()`, on the empty cache;
-2. one forward of the prompt followed by the first candidate tokens;
-3. `cache.crop(-rejected)` after each forward (`crop(0)` when every candidate was accepted);
-4. forwards of `1 + candidates` tokens on the filled cache: the last accepted token, then the new candidates.
+**Where generate stands.** No public hook passes either of these to a cache or an attention function (5.17-5.x), so
+both are read from the call stack; `tests/test_generate_frames.py` fails on every supported version the day they move.
+- `in_prefill()`: a forward inside `GenerationMixin._prefill` (by the function's name): its tokens are a prompt, so a
+  one-token prefill chunk or turn attends densely, as one prefill would; one token elsewhere is a decode step.
+- `assisted_loop_prompt()`: the prompt of transformers' assisted loop (`_assisted_decoding`'s local `input_ids`),
+  whose first forward is the prompt followed by the first drafts. When recording starts on an empty cache and the
+  loop is not found, `FlexiCache.activate_past_recording` raises rather than attend the drafts densely.
 
-Plain FlexiCache decoding attends densely at the prefill and sparsely at each decode step. So that the verified tokens
-are exactly plain decoding's, while recording every token after the prompt is a decode step, even inside a forward of
-several (`FlexiCacheLayer.prompt_tokens`): the layer appends them one at a time and attends each query as its own
-step would (`FlexiCacheLayer.attend`; runs of them without a stable re-rank in one set of ops per head group, where
-that is exact, `FlexiCacheLayer._block_plan`). Before each such token every layer keeps a mark (`FlexiCacheLayer._mark`:
-lengths, step counters, each group's selection and schedule, each store's tensors by reference, copied only when a
-tier move would rewrite them in place, `PagedKV.unshare`; in a batched run the marks are taken before each append and
-then given each group's selection, schedule and counters as its single steps would have left them, since a batched
-run's steps change no store); `crop(-n)` restores the mark at `length - n` and every
-crop drops the marks, so the cache is then the one that never saw the rejected tokens, and nothing accumulates.
-Marks rather than an undo of each operation: restoring one is a handful of assignments, and what they restore is
-plain to check against a cache that never saw the rolled-back tokens (tests/test_speculative.py,
-tests/test_batched_verify.py).
-
-Where the prompt ends. The first forward does not say where the prompt stops and the candidates start: no argument
-generate passes reaches the cache, and it starts empty. `activate_past_recording` reads it from the assisted loop
-that calls it (its `input_ids`, the prompt, `assisted_loop_prompt`). Called any other way, the first forward on an
-empty cache is taken whole as the prompt and every later token as a decode step.
-
-When recording ends. transformers leaves it on after the loop; it marks a cache given to `generate` at the start of
-every call (`_is_user_defined`), and FlexiCache ends recording there (`FlexiCache.deactivate_past_recording`, also
-callable by hand), so a later turn of a conversation attends densely again, as without speculative decoding.
+**Speculative decoding** (`generate(..., prompt_lookup_num_tokens=k)` or `assistant_model=`, batch 1): the loop calls
+`activate_past_recording()` on the empty cache, runs the prompt plus the first drafts, then forwards of `1 + drafts`
+tokens, each followed by `crop(-rejected)`. While recording, every token after the prompt is a decode step, each query
+attending as its own step would (`VerifiedDecoding`, fc_hf/verify.py), with a mark before each token that `crop`
+restores; the cache is then the one that never saw the rejected tokens. `generate` ends recording at the start of each
+call given the cache (`FlexiCache._is_user_defined`), so a later turn attends densely again.
 """
 
 from __future__ import annotations
+
+import sys
 
 import torch
 
 from .errors import FlexiCacheError
 
-LOOP = "_assisted_decoding"  # GenerationMixin's speculative loop (transformers 4.x and 5.x)
+PREFILL = "_prefill"  # GenerationMixin's prompt stage (transformers 5.17 - 5.x)
+LOOP = "_assisted_decoding"  # GenerationMixin's speculative loop
+_GENERATION = ("transformers", "generation")  # the path of the module that defines both
 
 
-def assisted_loop_prompt(frame, depth: int = 4) -> torch.Tensor | None:
-    """The prompt ids `[B, L]` of transformers' assisted-decoding loop when `frame` (or one of the `depth` frames
-    calling it) is that loop, else None (recording activated another way)."""
+def _generation_frames(depth: int):
+    frame = sys._getframe(2)
     for _ in range(depth):
         if frame is None:
-            return None
+            return
+        parts = frame.f_code.co_filename.replace("\\", "/").split("/")
+        if tuple(parts[-3:-1]) == _GENERATION:
+            yield frame
+        frame = frame.f_back
+
+
+def in_prefill(depth: int = 24) -> bool:
+    """Whether the caller runs inside `generate`'s prompt stage (`GenerationMixin._prefill`)."""
+    return any(f.f_code.co_name == PREFILL for f in _generation_frames(depth))
+
+
+def assisted_loop_prompt(depth: int = 6) -> torch.Tensor | None:
+    """The prompt ids `[B, L]` of transformers' assisted loop when the caller runs in it, else None."""
+    for frame in _generation_frames(depth):
         if frame.f_code.co_name == LOOP:
             ids = frame.f_locals.get("input_ids")
             return ids if isinstance(ids, torch.Tensor) and ids.dim() == 2 and ids.shape[1] else None
-        frame = frame.f_back
     return None
 
 
-def check_loop_start(prompt: torch.Tensor, held: int) -> None:
-    """Refuse what FlexiCache cannot verify exactly, before anything is written: several sequences (transformers refuses
-    them too, a moment later) and a filled cache (the loop feeds the whole prompt again in its first forward)."""
+def check_loop_start(prompt: torch.Tensor | None, held: int) -> None:
+    """Refuse what FlexiCache cannot verify exactly, before anything is written: an unknown prompt end, several
+    sequences (transformers refuses them too, a moment later) and a filled cache (the loop feeds the whole prompt again
+    in its first forward)."""
+    if prompt is None:
+        raise FlexiCacheError(
+            "Past recording started on an empty FlexiCache outside transformers' assisted-decoding loop, or in a version "
+            "whose loop FlexiCache cannot read (fc_hf/speculative.py): where the prompt ends and the draft tokens begin "
+            "is unknown, and the drafts would attend densely instead of as decode steps. Prefill the prompt first, or "
+            "use a transformers version the tests cover (5.17-5.24). Nothing was written."
+        )
     if prompt.shape[0] > 1:
         raise FlexiCacheError(
             "Assisted decoding and prompt lookup verify one sequence at a time (transformers' assisted loop is batch 1 "

@@ -1,43 +1,24 @@
 """Head-stability metrics over top-K page traces (SPEC §2 "Head profile"), shared by the core and the profiler.
 
-One implementation for both: `FlexiCache(..., profile="auto")` classifies online with these
-(`fc_hf/online.py`), and the offline profiler (`fc_hf.profiler.metrics`) re-exports them.
-
-A trace is `topk[D, L, H, K]`: at each of D decode steps, the K page indices each (layer, KV head)
-would select, plus `num_pages[D]`, the pages that existed at that step. Entries < 0 are padding
-(a step with fewer than K pages selects all of them and pads the rest).
-
-Random-corrected overlap between steps s < t:
+`FlexiCache(..., profile="auto")` classifies online with these (`fc_hf/online.py`); the offline profiler
+(`fc_hf.profiler.metrics`) re-exports them. A trace is `topk[D, L, H, K]`, the K pages each (layer, KV head) selects
+at each of D decode steps (entries < 0: padding), with `num_pages[D]`, the pages that existed at each step.
 
     RCO(s, t) = max(0, (|S_s ∩ S_t| / K - K / N_t) / (1 - K / N_t)),   N_t = num_pages[t]
 
-Temporal stability of the window starting at s: TS(s) = mean of RCO(s, t) over t = s+1 .. s+W-1.
-Windows start at s = 0, W, 2W, ... and only full windows count (s + W <= D), as in the authors'
-computation: a trailing partial window would weigh as much as a full one in `classify_heads`'s vote
-while resting on fewer steps.
-
-Undefined pairs: when N_t <= K every page is selected, chance overlap K/N_t >= 1 and RCO is 0/0.
-Such pairs are *skipped* (left out of the window mean): selecting everything says nothing about
-a head's stability. A window whose pairs are all skipped has TS = NaN, and `classify_heads` ignores
-NaN entries. Real profiles use prompts far longer than the budget, so this only matters in tests
-and toy runs.
+TS(s) = mean of RCO(s, t) over t = s+1 .. s+W-1; windows start at s = 0, W, 2W, ... and only full windows count, as
+in the authors' computation. Pairs with N_t <= K (everything selected: RCO is 0/0) are left out of a window's mean; a
+window with none defined has TS = NaN, which the classification ignores (this only happens in tests and toy runs).
 """
 
 from __future__ import annotations
 
 import math
-from typing import Iterable, Sequence
+from typing import Iterable
 
 import torch
 
-__all__ = [
-    "temporal_stability",
-    "rco_by_offset",
-    "num_unstable_heads",
-    "count_unstable",
-    "select_unstable",
-    "classify_heads",
-]
+__all__ = ["temporal_stability", "rco_by_offset", "num_unstable_heads", "count_unstable", "select_unstable"]
 
 
 def _check_trace(topk: torch.Tensor, num_pages: torch.Tensor) -> None:
@@ -66,19 +47,9 @@ def _rco(inter: torch.Tensor, k: int, n_t: torch.Tensor) -> tuple[torch.Tensor, 
 
 
 def temporal_stability(topk: torch.Tensor, num_pages: torch.Tensor, window: int = 16) -> torch.Tensor:
-    """Temporal stability TS of every (layer, KV head) in every window of a trace.
-
-    Vectorised over windows, offsets, layers and heads (intersections by sorted search, O(K log K)
-    per pair, no dense page masks).
-
-    Args:
-        topk (`torch.LongTensor` of shape `[D, L, H, K]`): selected page indices per decode step; < 0 = padding.
-        num_pages (`torch.LongTensor` of shape `[D]`): pages available at each step.
-        window (`int`, *optional*, defaults to 16): W, window length in steps (windows start every W steps).
-
-    Returns:
-        `torch.FloatTensor` of shape `[num_windows, L, H]`, num_windows = D // W (full windows only; 0 when D < W).
-        NaN where a window has no defined pair (every later step had N_t <= K).
+    """Temporal stability TS `[D // W, L, H]` of every (layer, KV head) in every full window of W steps of a trace
+    (`topk [D, L, H, K]`, `num_pages [D]`; module docstring); NaN where a window has no defined pair. Vectorised over
+    windows, offsets, layers and heads (intersections by sorted search, no dense page masks).
 
     Example:
         >>> topk = torch.arange(4).expand(33, 2, 3, 4)        # heads never change
@@ -102,16 +73,8 @@ def temporal_stability(topk: torch.Tensor, num_pages: torch.Tensor, window: int 
 
 
 def rco_by_offset(topk: torch.Tensor, num_pages: torch.Tensor, max_offset: int = 32) -> torch.Tensor:
-    """Mean RCO(s, s + o) over all s, for o = 1..max_offset: how fast each head's top-K set decays (paper Fig. 1).
-
-    Args:
-        topk (`torch.LongTensor` of shape `[D, L, H, K]`): selected pages per step.
-        num_pages (`torch.LongTensor` of shape `[D]`): pages available at each step.
-        max_offset (`int`, *optional*, defaults to 32): largest step offset.
-
-    Returns:
-        `torch.FloatTensor` of shape `[max_offset, L, H]`; row o-1 is offset o. NaN where no pair is defined.
-    """
+    """Mean RCO(s, s + o) over all s, `[max_offset, L, H]` (row o - 1: offset o; NaN where no pair is defined): how
+    fast each head's top-K set decays (paper Fig. 1)."""
     _check_trace(topk, num_pages)
     d, layers, heads, k = topk.shape
     topk_sorted, _ = topk.sort(dim=-1)
@@ -129,17 +92,9 @@ def num_unstable_heads(num_heads: int, unstable_fraction: float) -> int:
 
 
 def count_unstable(ts_list: Iterable[torch.Tensor], unstable_fraction: float = 0.25):
-    """Per-head tallies behind `classify_heads`.
-
-    Args:
-        ts_list (iterable of `torch.Tensor` of shape `[num_windows, L, H]`): TS of each sample.
-        unstable_fraction (`float`, *optional*, defaults to 0.25): share of heads unstable in each window.
-
-    Returns:
-        `dict` with `counts` (`[L, H]` int64: windows in which the head was among the lowest-TS share),
-        `windows` (windows ranked), `ts_sum` and `ts_n` (`[L, H]` float64 / int64: sum and number of
-        its defined TS values), `n_unstable` (heads unstable per window).
-    """
+    """Per-head tallies of the classification over the TS `[num_windows, L, H]` of each sample: `counts` (`[L, H]`,
+    windows in which the head was among the `unstable_fraction` of lowest TS), `windows` (ranked), `ts_sum` and `ts_n`
+    (sum and number of its defined TS values) and `n_unstable` (heads unstable per window)."""
     ts_list = [torch.as_tensor(t) for t in ts_list]
     if not ts_list:
         raise ValueError("count_unstable needs at least one TS tensor")
@@ -166,34 +121,10 @@ def count_unstable(ts_list: Iterable[torch.Tensor], unstable_fraction: float = 0
 
 
 def select_unstable(counts: torch.Tensor, mean_ts: torch.Tensor, n_unstable: int) -> set[tuple[int, int]]:
-    """The `n_unstable` heads most often unstable; ties by lower mean TS, then (layer, head).
-
-    Args:
-        counts (`torch.Tensor` of shape `[L, H]`): windows in which each head was unstable.
-        mean_ts (`torch.Tensor` of shape `[L, H]`): mean TS per head (NaN sorts as most stable).
-        n_unstable (`int`): size of the set.
-    """
+    """The `n_unstable` heads most often unstable (`counts [L, H]`); ties by lower mean TS (`mean_ts [L, H]`, NaN as
+    most stable), then (layer, head)."""
     layers, heads = counts.shape
     c = counts.reshape(-1).tolist()
     m = torch.nan_to_num(mean_ts.reshape(-1).double(), nan=float("inf")).tolist()
     order = sorted(range(layers * heads), key=lambda i: (-c[i], m[i], i))
     return {(i // heads, i % heads) for i in order[:n_unstable]}
-
-
-def classify_heads(ts_list: Sequence[torch.Tensor], unstable_fraction: float = 0.25) -> set[tuple[int, int]]:
-    """The model's unstable KV heads from the TS of many samples (SPEC §2).
-
-    In each window the `unstable_fraction` of heads with the lowest TS are unstable for that window
-    (TS ties by head index); the result is the same number of heads, those unstable in the most
-    windows over all samples, ties broken by lower mean TS and then by (layer, head).
-
-    Args:
-        ts_list (sequence of `torch.Tensor` of shape `[num_windows, L, H]`): `temporal_stability` of each sample.
-        unstable_fraction (`float`, *optional*, defaults to 0.25): share of heads marked unstable.
-
-    Returns:
-        `set[tuple[int, int]]` of (layer, kv_head).
-    """
-    tally = count_unstable(ts_list, unstable_fraction)
-    mean_ts = tally["ts_sum"] / tally["ts_n"]
-    return select_unstable(tally["counts"], mean_ts, tally["n_unstable"])

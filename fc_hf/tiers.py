@@ -2,7 +2,7 @@
 
 After a ranking, the pages that stay keep their device slot, each newly selected page is copied
 host -> device into the slot of a page that dropped out (no allocator churn), and slots left over
-are freed. The first drop also shrinks the device pool (`PagedKV.compact`), so the memory saved is
+are freed. The first drop also shrinks the device pool (`SlotPool.compact`), so the memory saved is
 given back. Which pages are chosen is `selection.py`'s business.
 """
 
@@ -16,15 +16,14 @@ from . import kernels
 from .transfer import host_work, to_device, to_host
 
 
-def move_tiers(store, old_pages: torch.Tensor, new_sel: torch.Tensor, variable: bool = False) -> int:
-    """Make `new_sel [N, K]` the resident set of `store`, whose resident pages are `old_pages [N, R]`.
+def move_tiers(store, old_pages: torch.Tensor, new_sel: torch.Tensor) -> int:
+    """Make `new_sel [N, K]` the resident set of `store` (a `PagedKV`), whose resident pages are `old_pages [N, R]`.
 
-    Copies only the promoted pages host -> device; returns how many were promoted. `variable` (`budget_mass`): both
-    may hold -1 entries (no page), and a row may gain or lose pages: promoted pages beyond the evicted slots take new
-    slots, evicted slots beyond the promoted pages are freed (`kernels.promotion_plan`).
+    Copies only the promoted pages host -> device; returns how many were promoted. A row may gain pages (the first
+    ranking after a prompt or a turn): promoted pages beyond the evicted slots take new slots (`kernels.promotion_plan`).
     """
-    device = store.device
-    old_slots = store.slots_for(old_pages, holes=variable)
+    device, pool = store.device, store.pool
+    old_slots = pool.slots_for(old_pages)
     # The plan (a few hundred indices) is worked out on the host from one copy: one host sync on CUDA per tier move,
     # not one per `nonzero` and check in it. The page being filled has no host copy yet; it is always selected, so it
     # is never evicted.
@@ -39,24 +38,17 @@ def move_tiers(store, old_pages: torch.Tensor, new_sel: torch.Tensor, variable: 
     # Rewrite the table: old entries out, new entries in (kept pages keep their slot, promoted pages
     # take an evicted page's slot, or a new one), then copy only the promoted pages host -> device.
     rows = torch.arange(store.rows, device=device)[:, None]
-    store.unshare()  # a mark (speculative decoding) keeps the table and slots as they were
-    if variable:  # only real entries are written (a -1 index would be the table's last column)
-        old_ok, new_ok = old_pages >= 0, new_sel >= 0
-        store.table[rows.expand_as(old_pages)[old_ok], old_pages[old_ok]] = 0
-    else:
-        store.table[rows.expand_as(old_pages), old_pages] = 0
+    pool.unshare()  # a mark (speculative decoding) keeps the table and slots as they were
+    pool.table[rows.expand_as(old_pages), old_pages] = 0
     slots = to_device(new_slots, device)
     p_slots = to_device(p_slots, device)
     if n_rows.numel():
-        fresh = store.alloc_slots(n_rows.numel())
+        fresh = pool.alloc(n_rows.numel(), in_layout=False)
         slots[to_device(n_rows, device), to_device(n_cols, device)] = fresh
         p_slots = torch.cat([p_slots, fresh])
-    if variable:
-        store.table[rows.expand_as(new_sel)[new_ok], new_sel[new_ok]] = slots[new_ok]
-    else:
-        store.table[rows.expand_as(new_sel), new_sel] = slots
-    store.table_changed()
-    store.release(to_device(freed, device))
+    pool.table[rows.expand_as(new_sel), new_sel] = slots
+    pool.table_changed()
+    pool.release(to_device(freed, device))
     store.promote(p_rows, p_pages, p_slots)
     return int(p_rows.numel())
 

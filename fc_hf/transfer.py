@@ -1,26 +1,17 @@
-"""Host<->device page copies: a low-priority side stream with events on CUDA, plain copies elsewhere.
+"""Host<->device page copies: a low-priority side stream with events on CUDA, plain synchronous copies elsewhere.
 
-`PageTransfers` decides *when* to wait (the ordering rules below); the copies themselves and the
-stream/event primitives are a `CudaStreams` on CUDA, or nothing on a CPU, where every copy is
-synchronous. Tests swap in a fake with the same primitives that runs each copy only when the
-code waits for it and fills its destination with NaN until then (`tests/deferred_transfers.py`), so
-these rules are exercised without a GPU.
-
-Ordering rules (CUDA):
-- An offload (device -> host) waits for the compute stream to have written the pages.
-- A promotion (host -> device) waits for the compute stream to have finished reading the slots it
-  overwrites, and the compute stream waits for the promotion before it reads those slots again.
-- A promotion gathers its host pages with the CPU, so the offloads that wrote them must have landed
-  in host memory first: the host waits on their event (a stream wait would only order GPU work).
-- A device pool is replaced (grown, repacked) only after the compute stream has waited for the
-  promotions writing into it (`PagedKV` calls `wait_promotions` first); the side stream also marks
-  the pools and slot indices it uses (`record_stream`), so no block it still touches is reused.
-- The pinned staging buffers of a promotion are reused only after its previous copy has landed.
-
-What makes the copies asynchronous (CUDA): every `non_blocking` copy lives in `CudaStreams`, and its host side is
-contiguous pinned memory from `host_empty` (a pageable or strided host side turns the copy into a staged one that
-the host waits for). Its device side is contiguous too: a strided device source would be made contiguous inside
-the copy, on the side stream, in memory cached for that stream.
+`PageTransfers` decides *when* to wait; the copies and stream/event primitives are a `CudaStreams`. Tests swap in a
+fake that runs each copy only when the code waits for it and fills its destination with NaN until then
+(`tests/deferred_transfers.py`), so these ordering rules (CUDA) are exercised without a GPU:
+- an offload (device -> host) waits for the compute stream to have written the pages;
+- a promotion (host -> device) waits for the compute stream to have finished reading the slots it overwrites, and
+  the compute stream waits for the promotion before it reads them again;
+- a promotion's CPU gather of host pages needs their offloads landed in host memory: the host waits on their event;
+- a device pool is replaced (grown, repacked) only after the compute stream waited for the promotions writing into
+  it; the side stream marks the pools and slot indices it uses (`record_stream`), so no block it touches is reused;
+- a promotion's pinned staging buffers are reused only after its previous copy has landed.
+Every `non_blocking` copy has a contiguous pinned host side (`host_empty`) and a contiguous device side: anything
+else turns it into a staged copy the host waits for, or a copy made on the side stream's own cached memory.
 """
 
 from __future__ import annotations
@@ -29,11 +20,8 @@ import torch
 
 
 def to_host(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """The tensors (integer indices, one dtype) on the host, through one device -> host copy: one host sync on CUDA.
-
-    A tier move decides which pages move from a few hundred indices per head group; worked out on the host from one
-    copy (`with host_work:`), it syncs once instead of at every `nonzero`, mask and check of that work. On a CPU the
-    tensors are returned as they are."""
+    """The tensors (integer indices, one dtype) on the host through one copy: a tier move's index work then syncs
+    once (`with host_work:`), not at every `nonzero`, mask and check. On a CPU they are returned as they are."""
     if all(t.device.type == "cpu" for t in tensors):
         if HostWork.observer is not None:  # a CPU run has no copy to see: `flexicache bench ops` counts the call
             HostWork.observer()
@@ -48,12 +36,8 @@ def one_copy_to_host(tensors) -> tuple[torch.Tensor, ...]:
 
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor (from `to_host`'s work) on `device`, without the host waiting for the device; `t` itself where it
-    is there already.
-
-    On CUDA it goes through pinned memory: a copy from pageable memory first waits for the stream to drain (a hidden
-    host sync per call). The pinned block comes from PyTorch's host allocator, which does not reuse it before the
-    copy has read it."""
+    """A host tensor (from `to_host`'s work) on `device` without a host wait: on CUDA through pinned memory (a copy
+    from pageable memory waits for the stream to drain), which PyTorch's host allocator keeps until it is read."""
     streams = streams_for(device)
     if streams is None:
         return t.to(device)

@@ -70,69 +70,37 @@ def quest_bound_bruteforce(q: list, kmax: list, kmin: list) -> float:
     return sum(max(qi * lo, qi * hi) for qi, lo, hi in zip(q, kmin, kmax))
 
 
-def page_scores_bruteforce(
-    query: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, cfg, scaling: float, page_score: str | None = None
-) -> list[float]:
+def page_scores_bruteforce(query: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, cfg) -> list[float]:
     """The score of every page of one row under `cfg`'s policy, forced pages at +inf.
 
     Args:
         query (`torch.Tensor` of shape `[G, D]`): the row's query heads (its GQA group).
         keys (`torch.Tensor` of shape `[L, D]`): every key the row holds, in order (padding included).
         valid (`torch.Tensor` of shape `[L]`, bool): False for padding (tokens the mask hides).
-        cfg (`FlexiCacheConfig`): `page_size`, `score_subpages`, `page_score`, `sink_pages`, `recent_pages`.
-        scaling (`float`): the model's softmax scale (used by `page_score="group_mean"` and `"exact"`).
-        page_score (`str`, *optional*): overrides `cfg.page_score` (a stable head group's `stable_page_score`).
+        cfg (`FlexiCacheConfig`): `page_size`, `score_subpages`, `sink_pages`.
 
     Returns:
         `list[float]` of length `ceil(L / page_size)`. The policy, literally:
         - a page's bound for one query head is the max over its sub-pages' MinMax entries of the Quest
           bound; a page without an entry (the page being filled, not yet full) has all-zero entries,
-          so its bound is 0;
+          so its bound is 0; its score is the max over the group's query heads of the bound;
         - a page with no attendable token scores -inf;
-        - "quest": the max over the group's query heads of the bound;
-          "group_mean": the mean over query heads of softmax(scaling * bound) over the attendable pages;
-          "exact": the mean over query heads of the attention mass of the page's tokens (softmax of
-          scaling * q.k over every attendable token);
-        - forcing, in this order: the `recent_pages` pages before the last page, the last page (the one
-          being filled), then the first `sink_pages` pages starting at the row's first attendable page
-          (clamped to the last page; a forced sink page without an attendable token gets -inf).
+        - forcing, in this order: the last page (the one being filled), then the first `sink_pages` pages starting at
+          the row's first attendable page (clamped to the last page; a forced sink page without an attendable token
+          gets -inf).
     """
-    how = page_score or cfg.page_score
     p, subpages = cfg.page_size, cfg.subpages
     length, dim = keys.shape
     num_pages = -(-length // p)
     entries = minmax_bruteforce(keys, p, subpages)
     zero = [0.0] * dim
-    queries = query.tolist()
     flags = valid.tolist()
     attendable = [any(flags[i * p : (i + 1) * p]) for i in range(num_pages)]
-    bounds = []  # [G][num_pages]
-    for q in queries:
-        row = []
-        for page in range(num_pages):
-            page_entries = entries[page] if page < len(entries) else [(zero, zero)] * subpages
-            row.append(max(quest_bound_bruteforce(q, kmax, kmin) for kmax, kmin in page_entries))
-        bounds.append(row)
-    masses = _page_masses(queries, keys.tolist(), flags, p, scaling) if how == "exact" else None
     scores = []
     for page in range(num_pages):
-        if not attendable[page]:
-            scores.append(NEG_INF)
-        elif how == "exact":
-            scores.append(sum(m[page] for m in masses) / len(masses))
-        elif how == "quest":
-            scores.append(max(b[page] for b in bounds))
-        elif cfg.page_score == "group_mean":
-            total = 0.0
-            for b in bounds:
-                top = max(b[j] for j in range(num_pages) if attendable[j])
-                norm = sum(math.exp(scaling * (b[j] - top)) for j in range(num_pages) if attendable[j])
-                total += math.exp(scaling * (b[page] - top)) / norm
-            scores.append(total / len(bounds))
-        else:
-            raise ValueError(f"unknown page_score {how!r}")
-    for page in range(max(0, num_pages - 1 - cfg.recent_pages), num_pages - 1):
-        scores[page] = POS_INF
+        page_entries = entries[page] if page < len(entries) else [(zero, zero)] * subpages
+        bound = max(quest_bound_bruteforce(q, kmax, kmin) for q in query.tolist() for kmax, kmin in page_entries)
+        scores.append(bound if attendable[page] else NEG_INF)
     scores[num_pages - 1] = POS_INF
     if cfg.sink_pages:
         first = attendable.index(True) if any(attendable) else 0

@@ -30,7 +30,7 @@ _PER_STEP = ["num_entries", "seq_len", "tv_len", "pages_per_split", "stride_sn",
 
 @triton.jit(do_not_specialize=_PER_STEP)
 def _sparse_decode_kernel(
-    q_ptr, k_ptr, v_ptr, slots_ptr, pidx_ptr, tv_ptr, out_ptr, part_o_ptr, part_lse_ptr, cnt_ptr,
+    q_ptr, k_ptr, v_ptr, slots_ptr, pidx_ptr, tv_ptr, out_ptr, part_o_ptr, part_lse_ptr,
     num_entries, seq_len, tv_len, rows_per_batch, pages_per_split, head_dim, v_dim,
     qk_scale, softcap,
     stride_qn, stride_qg, stride_qd,
@@ -54,7 +54,6 @@ def _sparse_decode_kernel(
     SPLIT: tl.constexpr,
     UPCAST: tl.constexpr,
     SLOTS_BY_PAGE: tl.constexpr,
-    HAS_COUNTS: tl.constexpr,
 ):
     row = tl.program_id(0)
     split = tl.program_id(1)
@@ -87,8 +86,6 @@ def _sparse_decode_kernel(
 
     first = split * pages_per_split
     last = tl.minimum(first + pages_per_split, num_entries)
-    if HAS_COUNTS:  # a variable number of entries per row (budget_mass): the row's entries past its count cost nothing
-        last = tl.minimum(last, tl.load(cnt_ptr + row))
     for e0 in range(first, last, PAGES_PER_BLOCK):
         entry = e0 + page_of
         e_ok = (entry < last) & (tok < PAGE_SIZE)
@@ -226,12 +223,11 @@ def _check_inputs(query, k_pool, v_pool, slots, page_idx, token_valid, rows_per_
 
 
 def _decode_plan(query, k_pool, v_pool, slots, page_idx, seq_len, scaling, token_valid, rows_per_batch, softcap,
-                 out, num_splits, part_o=None, part_lse=None, by_page=False, counts=None):
+                 out, num_splits, part_o=None, part_lse=None, by_page=False):
     """Grid, runtime arguments, constexprs and launch options of one `_sparse_decode_kernel` launch (also used by the
     compile test).
 
-    `by_page`: `slots` is the block table `[N, Pcap]` (the kernel looks each page's slot up), not `[N, M]`.
-    `counts` (`[N]` int32, contiguous): entries per row; the kernel stops each row there."""
+    `by_page`: `slots` is the block table `[N, Pcap]` (the kernel looks each page's slot up), not `[N, M]`."""
     n, g, d = query.shape
     m = page_idx.shape[1]
     page_size, dv = k_pool.shape[1], v_pool.shape[2]
@@ -251,7 +247,7 @@ def _decode_plan(query, k_pool, v_pool, slots, page_idx, seq_len, scaling, token
     qk_scale = float(scaling) if softcap is not None else float(scaling) * _LOG2E
     args = dict(
         q_ptr=query, k_ptr=k_pool, v_ptr=v_pool, slots_ptr=slots, pidx_ptr=page_idx, tv_ptr=tv, out_ptr=out,
-        part_o_ptr=part_o, part_lse_ptr=part_lse, cnt_ptr=counts if counts is not None else page_idx,  # never read then
+        part_o_ptr=part_o, part_lse_ptr=part_lse,
         num_entries=m, seq_len=int(seq_len), tv_len=tv.shape[1], rows_per_batch=int(rows_per_batch),
         pages_per_split=pages_per_split, head_dim=d, v_dim=dv,
         qk_scale=qk_scale, softcap=float(softcap) if softcap is not None else 1.0,
@@ -270,7 +266,6 @@ def _decode_plan(query, k_pool, v_pool, slots, page_idx, seq_len, scaling, token
         BLOCK_G=max(16, triton.next_power_of_2(g)), BLOCK_D=max(16, triton.next_power_of_2(d)),
         BLOCK_DV=max(16, triton.next_power_of_2(dv)), HAS_TOKEN_VALID=token_valid is not None,
         HAS_SOFTCAP=softcap is not None, SPLIT=split, UPCAST=upcast, SLOTS_BY_PAGE=by_page,
-        HAS_COUNTS=counts is not None,
     )
     return (n, num_splits), args, constexprs, dict(num_warps=_NUM_WARPS)
 
@@ -303,7 +298,6 @@ def sparse_decode_attention_triton(
     num_splits: int | None = None,
     out: torch.Tensor | None = None,
     table: torch.Tensor | None = None,
-    counts: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode attention of each row's query heads over the tokens of its selected pages (flash-decoding).
 
@@ -326,8 +320,6 @@ def sparse_decode_attention_triton(
         out (`torch.Tensor` of shape `[N, G, Dv]`, *optional*): written with the result (any strides) and returned.
         table (`torch.Tensor` of shape `[N, Pcap]`, *optional*): the block table; given, `slots` is not used (may be
             None) and each page's slot is looked up in the kernel (no gather launch before it).
-        counts (`torch.Tensor` of shape `[N]`, *optional*): entries per row (`FlexiCacheConfig.budget_mass`); a row's
-            entries at or past its count are neither read nor computed (its splits past the count return at once).
 
     Returns:
         `torch.Tensor` of shape `[N, G, D]` in the query's dtype.
@@ -354,17 +346,12 @@ def sparse_decode_attention_triton(
         return out
     if page_idx.shape[1] == 0:
         return out.zero_()
-    if counts is not None:
-        if counts.shape != (n,) or counts.dtype not in (torch.int32, torch.int64) or counts.device != query.device:
-            raise ValueError(f"counts must be an int32/int64 [N={n}] tensor on {query.device}, got {counts.dtype} "
-                             f"{tuple(counts.shape)} on {counts.device}")
-        counts = counts.to(torch.int32).contiguous()
     if num_splits is None:
         _, ppb = _block_sizes(k_pool.shape[1], query.shape[2])
         num_splits = _default_splits(n, page_idx.shape[1], ppb, query.device)
     grid, args, constexprs, options = _decode_plan(
         query, k_pool, v_pool, slots, page_idx, seq_len, scaling, token_valid, rows_per_batch, softcap, out, num_splits,
-        by_page=by_page, counts=counts,
+        by_page=by_page,
     )
     _sparse_decode_kernel[grid](**args, **constexprs, **options)
     if constexprs["SPLIT"]:

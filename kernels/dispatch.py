@@ -60,31 +60,27 @@ def select_topk(scores, k, backend=None):
 
 def sparse_decode_attention(
     query, k_pool, v_pool, slots, page_idx, seq_len, scaling, token_valid=None, rows_per_batch=1, softcap=None,
-    backend=None, workspace=None, tail=None, in_range=False, logits=None, out=None, table=None, row_kv=None,
-    counts=None,
+    backend=None, workspace=None, in_range=False, logits=None, out=None, table=None, row_kv=None,
 ):
     """Sparse paged decode attention; `workspace` (a `GatherWorkspace`) is used by the PyTorch backend only.
 
-    `tail` (estimates of unselected pages, `fc_hf.selection.tail_terms`) runs on the PyTorch backend
-    on every device: the Triton kernel has no extra softmax terms. `in_range` (every page index is a page of the
-    sequence) lets the PyTorch backend mask with one table lookup; the Triton kernel masks in-kernel anyway.
-    `logits` (the ranking's own logits of these pages) is for the PyTorch backend: it reads only the values.
-    `out` (`[N, G, Dv]`, the query's dtype), if given, receives the result on either backend. `table` (the block
-    table) stands in for `slots` when they are None: the Triton kernel looks each page's slot up itself. `row_kv`
-    (the pages' K/V laid out per row, `PagedKV.row_view`) is for the PyTorch backend: nothing is gathered.
-    `counts` (`[N]`, entries per row: `FlexiCacheConfig.budget_mass`) on either backend: entries at or past a row's
-    count are not attended; the Triton kernel stops each row there, the PyTorch backend masks them.
+    `in_range` (every page index is a page of the sequence) lets the PyTorch backend mask with one table lookup; the
+    Triton kernel masks in-kernel anyway. `logits` (the ranking's own logits of these pages) is for the PyTorch
+    backend: it reads only the values. `out` (`[N, G, Dv]`, the query's dtype), if given, receives the result on either
+    backend. `table` (the block table) stands in for `slots` when they are None: the Triton kernel looks each page's
+    slot up itself. `row_kv` (the pages' K/V laid out per row, `SlotPool.row_view`) is for the PyTorch backend:
+    nothing is gathered.
     """
-    if tail is None and logits is None and row_kv is None and backend_for(query, backend) == "triton":
+    if logits is None and row_kv is None and backend_for(query, backend) == "triton":
         from .decode import sparse_decode_attention_triton
 
         return sparse_decode_attention_triton(
             query, k_pool, v_pool, slots, page_idx, seq_len, scaling, token_valid, rows_per_batch, softcap, out=out,
-            table=table, counts=counts,
+            table=table,
         )
     return torch_backend.sparse_decode_attention(
-        query, k_pool, v_pool, slots, page_idx, seq_len, scaling, token_valid, rows_per_batch, softcap, workspace, tail,
-        in_range, logits, out, table, row_kv, counts,
+        query, k_pool, v_pool, slots, page_idx, seq_len, scaling, token_valid, rows_per_batch, softcap, workspace,
+        in_range, logits, out, table, row_kv,
     )
 
 

@@ -375,13 +375,11 @@ def sparse_decode_attention(
     rows_per_batch: int = 1,
     softcap: float | None = None,
     workspace: GatherWorkspace | None = None,
-    tail: tuple[torch.Tensor, torch.Tensor] | None = None,
     in_range: bool = False,
     logits: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     table: torch.Tensor | None = None,
     row_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
-    counts: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode attention of each row's query heads over the tokens of its selected pages.
 
@@ -399,8 +397,6 @@ def sparse_decode_attention(
         rows_per_batch (`int`): rows per sequence, to map a row to its padding-mask row.
         softcap (`float`, *optional*): logit soft-capping (Gemma-2 style), `tanh(s / c) * c`.
         workspace (`GatherWorkspace`, *optional*): reused gather buffers; None allocates fresh ones.
-        tail (`tuple`, *optional*): `(logits [N, G, T], values [N, T, Dv])`: extra softmax terms (already
-            scaled, -inf to skip) standing for unselected pages (`fc_hf.selection.tail_terms`).
         in_range (`bool`, *optional*, defaults to False): the caller guarantees every `page_idx` entry is a page
             of the sequence, in `[0, ceil(seq_len / P))` (no -1 entries). Then, without `softcap`, the mask is one
             lookup in a bias table of the positions past `seq_len` (and, with `token_valid`, of the padding; shared
@@ -416,26 +412,12 @@ def sparse_decode_attention(
             `slots` is None (the Triton kernel does so in-kernel).
         row_kv (`tuple`, *optional*): `(keys [N, M*P, D], values [N, M*P, Dv])`, the pages' tokens already laid out
             per row (views of the pools: `PagedKV.row_view`); then nothing is gathered and `slots` is not read.
-        counts (`torch.Tensor` of shape `[N]`, *optional*): entries per row (`FlexiCacheConfig.budget_mass`: a variable
-            number of pages per row); entries at or past a row's count are not attended, whatever they hold (here
-            masked, as -1 entries are: the step still costs the widest row; the Triton kernel stops at the count).
-            Not with `in_range` or `row_kv`.
 
     Returns:
         `torch.Tensor` of shape `[N, G, D]` in the query's dtype.
     """
     n, m = page_idx.shape
     page_size, dim = k_pool.shape[1], k_pool.shape[2]
-    if counts is not None:
-        if in_range or row_kv is not None:
-            raise ValueError("counts (a variable number of entries per row) cannot be used with in_range or row_kv.")
-        unused = torch.arange(m, device=page_idx.device)[None, :] >= counts.to(page_idx.device)[:, None]
-        page_idx = page_idx.masked_fill(unused, -1)
-        if slots is not None:
-            slots = slots.masked_fill(unused, 0)  # the null block
-        if logits is not None:
-            logits = logits.view(n, logits.shape[1], m, page_size).masked_fill(unused[:, None, :, None], NEG_INF)
-            logits = logits.view(n, -1, m * page_size)
     if row_kv is None:
         if slots is None:
             slots = table.gather(1, page_idx.clamp(min=0)).masked_fill_(page_idx < 0, 0)  # unused entries: null block
@@ -462,9 +444,6 @@ def sparse_decode_attention(
                 logits = torch.tanh(logits / softcap) * softcap
             ok = token_mask(page_idx, page_size, seq_len, token_valid, rows_per_batch)
             logits = logits.masked_fill(~ok[:, None, :], NEG_INF)
-    if tail is not None:
-        logits = torch.cat([logits, tail[0].float()], dim=-1)
-        values = torch.cat([values, tail[1].to(values.dtype)], dim=1)
     probs = torch.softmax(logits, dim=-1)
     if not (in_range and token_valid is None):
         # A row with no attendable token (a fully padded sequence) gets zeros, not NaN.

@@ -88,22 +88,6 @@ def tiny_model(family: str = "llama", seed: int = 0, **kw):
     return model
 
 
-def watch_row_holes(monkeypatch) -> list[bool]:
-    """Patch `PagedKV.arrange_rows` to record, per call, whether its pages had -1 entries (a variable-page row laid
-    out with holes); returns the list it appends to."""
-    from fc_hf.paged_store import PagedKV
-
-    holes: list[bool] = []
-    arrange = PagedKV.arrange_rows
-
-    def arranged(self, pages, headroom, holes_flag=False, **kw):
-        holes.append(bool((pages < 0).any()))
-        return arrange(self, pages, headroom, kw.get("holes", holes_flag))
-
-    monkeypatch.setattr(PagedKV, "arrange_rows", arranged)
-    return holes
-
-
 def left_padded_batch(batch: int, length: int, vocab: int = 97, seed: int = 0, pad_lengths=None):
     """`(input_ids, attention_mask)` with row i left-padded by pad_lengths[i] tokens."""
     g = torch.Generator().manual_seed(seed)

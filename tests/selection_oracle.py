@@ -6,13 +6,11 @@ query through FlexiCache's attention function, exactly the calls a model makes. 
 may reorder the batch (beam search). It raises `AssertionError` at the first difference from:
 
 - the selection: at every step a head group is due (stable: step 1 and every `rerank_interval`;
-  unstable: every `unstable_rerank_interval`; streaming: never) it must rank, and only then; its
-  ranking must pick pages whose brute-force scores (`kernels.bruteforce.page_scores_bruteforce`,
-  then `refine_scores_bruteforce` with `refine_pages`, recomputed from the recorded keys, queries
-  and padding) are the top K (compared as score sets, so exact ties may go either way); with
-  `budget_mass`, the smallest set of candidates holding the forced pages whose mass among the
-  candidates reaches p, clamped to the floor and ceiling (`budget_mass_bruteforce`; -1 entries only
-  after a row's pages);
+  unstable: every step; streaming: never) it must rank, and only then; its ranking must pick pages
+  whose brute-force scores (`kernels.bruteforce.page_scores_bruteforce`, then
+  `refine_scores_bruteforce` with `refine_pages` and the pages the group's last ranking carried,
+  `carried_bruteforce`, recomputed from the recorded keys, queries and padding) are the top K
+  (compared as score sets, so exact ties may go either way);
 - what is read: at a ranking, the new selection (with `promotion="deferred"`, a tiered group's
   later rankings take effect one step late); between rankings, the last selection plus every page
   created since; streaming heads, the sink and the most recent pages;
@@ -37,6 +35,7 @@ from robustness_helpers import RecordingCache
 from fc_hf import FlexiCacheConfig, HeadProfile
 from fc_hf.attention import flexicache_attention_forward
 from fc_hf.head_group import STABLE, STREAMING, UNSTABLE, HeadGroup
+from fc_hf.selection import PageSelector
 from fc_hf.kernels import bruteforce
 
 TOL = 1e-5
@@ -45,12 +44,13 @@ NEG_INF = float("-inf")
 
 @contextmanager
 def spy_groups(log: dict):
-    """Record, per head group, the ranking `_rank` returned and the pages `pages_for_step` returned."""
-    real_rank, real_pages = HeadGroup._rank, HeadGroup.pages_for_step
+    """Record, per head group, the ranking its selector returned (`PageSelector.select`, keyed by the selector) and
+    the pages `pages_for_step` returned."""
+    real_select, real_pages = PageSelector.select, HeadGroup.pages_for_step
 
-    def rank(group, *a, **k):
-        out = real_rank(group, *a, **k)
-        log.setdefault(group, {})["ranked"] = out.clone()
+    def select(selector, *a, **k):
+        out = real_select(selector, *a, **k)
+        log.setdefault(selector, {})["ranked"] = out.clone()
         return out
 
     def pages(group, *a, **k):
@@ -58,55 +58,11 @@ def spy_groups(log: dict):
         log.setdefault(group, {})["read"] = out.clone()
         return out
 
-    HeadGroup._rank, HeadGroup.pages_for_step = rank, pages
+    PageSelector.select, HeadGroup.pages_for_step = select, pages
     try:
         yield
     finally:
-        HeadGroup._rank, HeadGroup.pages_for_step = real_rank, real_pages
-
-
-def budget_mass_bruteforce(query: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, scores: list[float], cfg,
-                           scaling: float) -> tuple[list[float], dict[int, float]]:
-    """`budget_mass`, literally, for one row: `(the chosen pages' keys, descending; the key of every page)`.
-
-    Candidates: the top `candidate_pages` pages by `scores` (or every page when there are at most the floor: then all
-    are chosen). A candidate's mass: per query head the softmax of scaling * q.k over the attendable tokens of the
-    candidates only, summed over the page's tokens, averaged over the heads (float64). Forced candidates (+inf) come
-    first, then the others by mass (all-padding ones, -inf, last); the count is the shortest such prefix whose mass
-    reaches p (every candidate for p = 1), at least the forced ones, clamped to [floor, ceiling] and to the candidates.
-    A page's key: +inf forced, -inf all padding, else its mass; pages that are not candidates have none."""
-    num_pages = len(scores)
-    if num_pages <= cfg.mass_min_pages:
-        return sorted(scores, reverse=True), {i: sc for i, sc in enumerate(scores)}
-    p = cfg.page_size
-    order = sorted(range(num_pages), key=lambda i: scores[i], reverse=True)[: cfg.candidate_pages]
-    flags = valid.tolist()
-    token_ok = [flags[i] and (i // p) in order for i in range(len(flags))]
-    masses = bruteforce._page_masses(query.tolist(), keys.tolist(), token_ok, p, scaling)
-    mass = {page: sum(m[page] for m in masses) / len(masses) for page in order}
-    key = {page: NEG_INF for page in range(num_pages) if scores[page] == NEG_INF}  # ties among these may go any way
-    key.update({page: scores[page] if math.isinf(scores[page]) else mass[page] for page in order})
-    ranked = sorted(order, key=lambda page: key[page], reverse=True)
-    forced = sum(1 for page in order if scores[page] == math.inf)
-    if cfg.budget_mass >= 1.0:
-        need = len(order)
-    else:
-        need, kept = 0, 0.0
-        for page in ranked:
-            if kept >= cfg.budget_mass:
-                break
-            kept += mass[page]
-            need += 1
-    count = min(max(need, forced, min(cfg.mass_min_pages, len(order))), min(cfg.mass_max_pages, len(order)))
-    return [key[page] for page in ranked[:count]], key
-
-
-def valid_entries(row: list[int], where: str) -> list[int]:
-    """A `budget_mass` page list's pages: entries >= 0 first, -1 only after them."""
-    pages = [x for x in row if x >= 0]
-    assert row[: len(pages)] == pages and all(x == -1 for x in row[len(pages):]), (
-        f"layout {where}: page list {row} is not its pages first, then -1")
-    return pages
+        PageSelector.select, HeadGroup.pages_for_step = real_select, real_pages
 
 
 def assert_top_k(chosen: list[int], scores: list[float], k: int, where: str) -> None:
@@ -178,7 +134,6 @@ def _run_case(case: dict) -> None:
     expected = {}
     for step in range(1, case["decode"] + 1):
         valid = torch.cat([valid, valid.new_ones(batch, 1)], 1)
-        length = valid.shape[1]
         mask = None if bool(valid.all()) else valid[:, None, None, :]
         for layer in range(layers):
             key, value = cache.update(*kv_states(1), layer)
@@ -192,7 +147,8 @@ def _run_case(case: dict) -> None:
             for group in fc_layer.groups:
                 state = expected.setdefault(group, Expected())
                 where = f"layer {layer} {group.kind} step {step}"
-                _check_group(cache, cfg, group, state, log.get(group, {}), layer, step, query, out, valid, scaling, where)
+                entry = {**log.get(group, {}), **log.get(group.selector, {})}
+                _check_group(cache, cfg, group, state, entry, layer, step, query, out, valid, scaling, where)
         _check_metadata(cache, cfg, f"after step {step}")
         if step in case["reorders"]:
             rows = case["reorders"][step]
@@ -213,37 +169,18 @@ def _check_group(cache, cfg, group, state, log, layer, step, query, out, valid, 
     heads = group.heads
     batch, ratio = valid.shape[0], query.shape[1] // cache.layers[layer].num_kv_heads
     rows = [(b, h) for b in range(batch) for h in heads]
-    interval = cfg.rerank_interval if group.kind == STABLE else cfg.unstable_rerank_interval
+    interval = cfg.rerank_interval if group.kind == STABLE else 1
     due = group.kind != STREAMING and (step == 1 or step % interval == 0)
     assert ("ranked" in log) == due, f"schedule {where}: ranked={'ranked' in log}, due={due}"
     read = log["read"].tolist()
     deferred = group.kind == STABLE and cfg.offload and cfg.promotion == "deferred" and step > 1
-    how = cfg.stable_page_score if group.kind == STABLE and cfg.stable_page_score else cfg.page_score
     new_sel = None
-    variable = cfg.budget_mass is not None and group.kind != STREAMING
-    if variable:
-        # The Triton kernel needs valid entries first (it stops at each row's count); the PyTorch path masks -1 entries
-        # wherever they are (a ranking's list, then the pages opened since: its in-place layout's order).
-        torch_path = group.kind != STREAMING and group._torch_path()
-        read = [[x for x in r if x >= 0] if torch_path else valid_entries(r, f"read {where} row {n}")
-                for n, r in enumerate(read)]
     if due:
         ranked = log["ranked"].tolist()
         for n, (b, h) in enumerate(rows):
             q = query[b, h * ratio : (h + 1) * ratio, 0]
-            scores = bruteforce.page_scores_bruteforce(q, keys_all[b, h], valid[b], cfg, scaling, how)
-            if variable:
-                ranked[n] = valid_entries(ranked[n], f"selection {where} row {n}")
-                want, key = budget_mass_bruteforce(q, keys_all[b, h], valid[b], scores, cfg, scaling)
-                chosen = ranked[n]
-                assert len(chosen) == len(set(chosen)) == len(want) and all(c in key for c in chosen), (
-                    f"selection {where} row {n}: chose pages {chosen}, expected {len(want)} candidates with keys {want}")
-                got = sorted((key[c] for c in chosen), reverse=True)
-                for a, w in zip(got, want):
-                    same = a == w if math.isinf(a) or math.isinf(w) else abs(a - w) <= TOL + TOL * abs(w)
-                    assert same, f"selection {where} row {n}: chose keys {got}, the smallest set reaching p has {want}"
-                continue
-            if cfg.candidate_pages and how != "exact" and len(scores) > k:
+            scores = bruteforce.page_scores_bruteforce(q, keys_all[b, h], valid[b], cfg)
+            if cfg.candidate_pages and len(scores) > k:
                 scores = bruteforce.refine_scores_bruteforce(q, keys_all[b, h], valid[b], scores, cfg.candidate_pages, p,
                                                              scaling, state.carried.get(n, ()))
                 if cfg.carried_pages:

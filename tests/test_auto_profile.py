@@ -92,10 +92,12 @@ def assert_same_state(auto: FlexiCache, ref: FlexiCache):
             assert torch.equal(resident_pages(sa), resident_pages(sr))
             full = sa.full_pages
             assert torch.equal(sa.meta[:, :full], sr.meta[:, :full])
-            assert sa.host_pages == sr.host_pages
+            assert sa.tiered == sr.tiered
             if sa.tiered:
-                assert torch.equal(sa.host_k[: sa.host_pages], sr.host_k[: sr.host_pages])
-                assert torch.equal(sa.host_v[: sa.host_pages], sr.host_v[: sr.host_pages])
+                ha, hr = sa.host, sr.host
+                assert ha.pages == hr.pages
+                assert torch.equal(ha.host_k[: ha.pages], hr.host_k[: hr.pages])
+                assert torch.equal(ha.host_v[: ha.pages], hr.host_v[: hr.pages])
 
 
 PLANTED = ((0, 1), (1, 3), (2, 0))
@@ -265,8 +267,6 @@ def test_auto_settings_are_checked():
         FlexiCache(config, FlexiCacheConfig(rerank_interval=16, warmup_steps=20), "auto")
     with pytest.raises(ValueError, match="streaming_heads"):
         FlexiCache(config, FlexiCacheConfig(streaming_heads=((0, 0),), token_budget=64, page_size=16), "auto")
-    with pytest.raises(ValueError, match="stable_page_score"):
-        FlexiCache(config, FlexiCacheConfig(stable_page_score="exact"), "auto")
     with pytest.raises(TypeError, match="'auto'"):
         FlexiCache(config, FlexiCacheConfig(), "automatic")
     with pytest.raises(ValueError, match="warmup_steps"):
@@ -322,8 +322,7 @@ def test_zero_warmup_trace_is_each_positions_own_ranking(no_grad):
     """The observation window's entry for prompt position t is what a decode step at t would select (by the
     page score: the window does not refine, so refine_pages=0 here)."""
     model = tiny_model("llama", layers=1, heads=8, kv_heads=4)
-    cfg = FlexiCacheConfig(page_size=4, token_budget=32, rerank_interval=4, warmup_steps=0, recent_pages=1,
-                           refine_pages=0)
+    cfg = FlexiCacheConfig(page_size=4, token_budget=32, rerank_interval=4, warmup_steps=0, refine_pages=0)
     captured = {}
     ids = torch.randint(1, 97, (1, 90), generator=torch.Generator().manual_seed(0))
     cache = FlexiCache(model.config, cfg, "auto")
@@ -331,9 +330,9 @@ def test_zero_warmup_trace_is_each_positions_own_ranking(no_grad):
 
     original = layer.observe_prefill
 
-    def spy(query, attention_mask, scaling):
-        captured["q"], captured["scaling"] = query.clone(), scaling
-        original(query, attention_mask, scaling)
+    def spy(query, attention_mask):
+        captured["q"] = query.clone()
+        original(query, attention_mask)
 
     layer.observe_prefill = spy
     model(input_ids=ids, use_cache=True, **{cache_kwarg(model): cache})
@@ -345,7 +344,7 @@ def test_zero_warmup_trace_is_each_positions_own_ranking(no_grad):
         store = PagedKV(1, 4, 4, 16, 16, keys.dtype, keys.device, tiered=False, subpages=cfg.subpages)
         store.append(keys[:, :, : t + 1], keys[:, :, : t + 1])
         qt = q[0, :, t].view(4, 2, 16)
-        chosen = selector.select(selector.scores(qt, store, None, captured["scaling"]), qt, store, 1.0)
+        chosen = selector.select(selector.scores(qt, store, None), qt, store, 1.0)
         assert num_pages[j] == store.num_pages
         assert torch.equal(topk[j, 0, :, : chosen.shape[1]].sort(-1).values, chosen.sort(-1).values)
 

@@ -142,10 +142,8 @@ def test_assisted_decoding_of_two_sequences_refused_clearly(no_grad):
     assert cache.get_seq_length() == 0
 
 
-def test_bad_streaming_and_dense_layer_indices():
+def test_bad_streaming_head_indices():
     config = tiny_config("llama", layers=2)
-    with pytest.raises(ValueError, match="dense_layers"):
-        FlexiCache(config, FlexiCacheConfig(dense_layers=(7,)))
     with pytest.raises(ValueError, match="streaming head"):
         FlexiCache(config, FlexiCacheConfig(streaming_heads=((0, 9),)))
 

@@ -93,9 +93,9 @@ def _owned_tensors(cache):
     for layer in cache.flexi_layers:
         for group in layer.groups:
             s = group.store
-            refs += [weakref.ref(t) for t in (s.k_pool, s.v_pool, s.table, s.meta_t, s.free) if t is not None]
-            if s.host_k is not None:
-                refs += [weakref.ref(s.host_k), weakref.ref(s.host_v)]
+            refs += [weakref.ref(t) for t in (s.k_pool, s.v_pool, s.table, s.minmax.meta_t, s.pool.free) if t is not None]
+            if s.host is not None and s.host.host_k is not None:
+                refs += [weakref.ref(s.host.host_k), weakref.ref(s.host.host_v)]
     refs += [weakref.ref(b) for b in cache.workspace._buffers.values()]
     return refs
 

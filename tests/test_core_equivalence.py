@@ -81,12 +81,3 @@ def test_sliding_window_layers_stay_standard():
     assert all(isinstance(l, DynamicSlidingWindowLayer) for l in cache.layers[:5])
 
 
-def test_dense_layers_option(no_grad):
-    from transformers.cache_utils import DynamicLayer
-
-    model = tiny_model("llama", layers=3)
-    cache = FlexiCache(model.config, FlexiCacheConfig(page_size=4, token_budget=8, dense_layers=(0, 1)))
-    assert type(cache.layers[0]) is DynamicLayer and type(cache.layers[1]) is DynamicLayer
-    ids, mask = left_padded_batch(1, 40)
-    model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, max_new_tokens=3, do_sample=False)
-    assert cache.layers[0].keys.shape[2] == 42 and cache.layers[2].length == 42

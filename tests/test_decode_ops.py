@@ -24,8 +24,7 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("seq_len", [61, 64, 49])
-@pytest.mark.parametrize("with_tail", [False, True])
-def test_in_range_attention_is_bit_identical(seq_len, with_tail):
+def test_in_range_attention_is_bit_identical(seq_len):
     g = torch.Generator().manual_seed(seq_len)
     n, groups, d, p = 6, 3, 16, 8
     pages = -(-seq_len // p)
@@ -37,15 +36,11 @@ def test_in_range_attention_is_bit_identical(seq_len, with_tail):
     idx = torch.stack([torch.randperm(pages - 1, generator=g)[:3] for _ in range(n)])
     idx = torch.cat([idx, torch.full((n, 1), pages - 1)], 1)[:, torch.randperm(4, generator=g)]
     sl = slots.gather(1, idx)
-    tail = None
-    if with_tail:
-        tail = (torch.randn(n, groups, 5, generator=g), torch.randn(n, 5, d, generator=g))
-        tail[0][:, :, 1] = float("-inf")
-    ref = tb.sparse_decode_attention(query, k_pool, v_pool, sl, idx, seq_len, 0.25, tail=tail)
+    ref = tb.sparse_decode_attention(query, k_pool, v_pool, sl, idx, seq_len, 0.25)
     ws = tb.GatherWorkspace()
     for workspace in (None, ws, ws):  # twice through the workspace: its cached table is reused
         out = tb.sparse_decode_attention(query, k_pool, v_pool, sl, idx, seq_len, 0.25, workspace=workspace,
-                                         tail=tail, in_range=True)
+                                         in_range=True)
         assert torch.equal(_bits(out), _bits(ref))
     other = tb.sparse_decode_attention(query, k_pool, v_pool, sl, idx, seq_len + 1, 0.25, workspace=ws, in_range=True)
     assert torch.equal(other, tb.sparse_decode_attention(query, k_pool, v_pool, sl, idx, seq_len + 1, 0.25))
@@ -197,7 +192,7 @@ def test_decode_append_stores_what_a_bulk_append_stores(tiered):
         assert torch.equal(a, c)
     assert torch.equal(bulk.meta[:, : bulk.full_pages], step.meta[:, : step.full_pages])
     if tiered:
-        assert torch.equal(bulk.host_k[: bulk.host_pages], step.host_k[: step.host_pages])
+        assert torch.equal(bulk.host.host_k[: bulk.host.pages], step.host.host_k[: step.host.pages])
 
 
 def test_a_long_prompt_leaves_spare_pages_for_decoding():
@@ -209,14 +204,14 @@ def test_a_long_prompt_leaves_spare_pages_for_decoding():
     store = PagedKV(2, 1, p, d, d, torch.float32, torch.device("cpu"), tiered=False)
     keys = torch.randn(2, 1, pages * p, d)
     store.append(keys, keys)
-    spare = store.n_free // store.rows
+    spare = store.pool.n_free // store.rows
     assert spare == 10  # 640 // 64
     pool = store.k_pool
     for _ in range(spare * p):  # decode until every spare page is taken: no regrowth
         store.append(keys[:, :, :1], keys[:, :, :1])
     assert store.k_pool is pool
     store.append(keys[:, :, :1], keys[:, :, :1])  # the next page needs a new slot per row: now it regrows
-    assert store.k_pool is not pool and store.n_free // store.rows == min(store.grow_pages, store.num_pages // 64)
+    assert store.k_pool is not pool and store.pool.n_free // store.rows == min(store.grow_pages, store.num_pages // 64)
 
 
 def test_plain_decode_step_ops_per_layer_stay_low():
@@ -230,7 +225,7 @@ def test_plain_decode_step_ops_per_layer_stay_low():
     config = bench_common.model_config("tiny", max_positions=1024)
     model = bench_common.build_model(config)
     profile = bench_common.spread_profile(config, 0.25)
-    pinned = {"refine_pages": 0, "score_subpages": 1, "page_score": "quest", "tail_estimate": False}
+    pinned = {"refine_pages": 0, "score_subpages": 1}
     got = {}
     for method, options in (("dense", pinned), ("quest", pinned), ("flexicache", pinned), ("default", {})):
         name = "flexicache" if method == "default" else method

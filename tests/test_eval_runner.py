@@ -71,7 +71,7 @@ def test_rundir_refuses_a_folder_made_before_the_selection_defaults_were_recorde
     results.RunDir(tmp_path / "now", cfg)
     results.RunDir(tmp_path / "now", cfg)  # same settings: resumes
     # A folder from before: only five fields recorded, so a change of score_subpages / refine_pages went unseen.
-    old = {k: defaults[k] for k in ("page_size", "rerank_interval", "sink_pages", "promotion", "dense_layers")}
+    old = {k: defaults[k] for k in ("page_size", "rerank_interval", "sink_pages", "promotion", "offload")}
     results.RunDir(tmp_path / "before", {**cfg, "cache_defaults": old})
     with pytest.raises(ValueError, match=r"cache_defaults\.candidate_pages.*cache_defaults\.score_subpages.*another --out"):
         results.RunDir(tmp_path / "before", cfg)
@@ -204,17 +204,16 @@ def test_resolve_profile_keeps_profile_when_no_task_shares_material(tiny, tmp_pa
 
 
 def test_parse_cache_options():
-    assert methods.parse_cache_options("dense_layers=0:1,rerank_interval=8,offload=false") == {
-        "dense_layers": (0, 1), "rerank_interval": 8, "offload": False}
-    assert methods.parse_cache_options("dense_layers=0") == {"dense_layers": (0,)}
+    assert methods.parse_cache_options("carry_pages=0,rerank_interval=8,offload=false,pairs=0:1") == {
+        "carry_pages": 0, "rerank_interval": 8, "offload": False, "pairs": (0, 1)}
     assert methods.parse_cache_options(None) == {}
 
 
 def test_summary_labels_cache_option_variants_apart():
-    row = {"method": "quest", "budget": 1024, "cache_options": {"dense_layers": [0, 1]}}
-    assert summary._label(row) == "quest@1024 dense_layers=0:1"
+    row = {"method": "quest", "budget": 1024, "cache_options": {"streaming_heads": [0, 1]}}
+    assert summary._label(row) == "quest@1024 streaming_heads=0:1"
     assert summary._label({"method": "quest", "budget": 1024}) == "quest@1024"
-    assert summary._order("quest@1024") < summary._order("quest@1024 dense_layers=0:1")
+    assert summary._order("quest@1024") < summary._order("quest@1024 streaming_heads=0:1")
 
 
 def test_rundir_reads_answers_holding_unicode_line_separators(tmp_path):

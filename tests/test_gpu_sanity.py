@@ -8,7 +8,6 @@ slightly off is caught against dense at the full budget, and that `main` then ex
 from __future__ import annotations
 
 import pytest
-import torch
 from conftest import tiny_config
 
 import fc_hf.kernels as kernels

@@ -63,14 +63,23 @@ def test_verdict_is_the_largest_loss_at_the_decisive_heads():
     assert misses.verdict(step) == "earlier tokens"
 
 
-def test_versus_another_dtype_compares_dense_decodings():
+def test_dense_reference_and_a_comparison_in_another_dtype():
     model = tiny_model("llama", layers=2, heads=4, kv_heads=2)
     other = tiny_model("llama", layers=2, heads=4, kv_heads=2).to(torch.bfloat16)
     other.set_attn_implementation("sdpa")
     g = torch.Generator().manual_seed(1)
-    case = misses.Case("random", torch.randint(1, 97, (80,), generator=g).tolist(),
-                       torch.randint(1, 97, (10,), generator=g).tolist())
-    row = misses.diagnose_case(model, case, FlexiCacheConfig(page_size=4, token_budget=16), None, versus=other)
-    assert row["method"] == "dense-torch.bfloat16" and row["misses"] == [] and len(row["method_top1"]) == 10
-    same = misses.diagnose_case(model, case, FlexiCacheConfig(page_size=4, token_budget=16), None, versus=model)
+    prompt = torch.randint(1, 97, (80,), generator=g).tolist()
+    case = misses.Case("random", prompt, None, 10)
+    prefill = dense_prefill(model, prompt)
+    target, dense = misses.dense_reference(model, prefill, case)  # dense's greedy answer, with its log-probs
+    assert target == dense.argmax(-1).tolist() and len(target) == 10
+    forced = torch.stack(list(forced_decode(model, prefill, "dense", None, target[:-1])))
+    assert torch.allclose(dense[1:], forced, atol=1e-5)
+    cfg = FlexiCacheConfig(page_size=4, token_budget=16)
+    row = misses.compare_case(model, case, prefill, target, dense, cfg, None,
+                              versus=(other, dense_prefill(other, prompt)))
+    assert row["misses"] == [] and len(row["method_top1"]) == 10
+    same = misses.compare_case(model, case, prefill, target, dense, cfg, None, versus=(model, prefill))
     assert same["first_part"] is None and same["method_top1"] == same["dense_top1"]  # the model against itself
+    sparse = misses.compare_case(model, case, prefill, target, dense, cfg, None)
+    assert sparse["dense_top1"] == target and sparse["method_top1"][0] == target[0]  # the prefill is exact

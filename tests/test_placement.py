@@ -23,7 +23,7 @@ pytestmark = pytest.mark.usefixtures("no_grad")
 
 def _device_tensors(group):
     s = group.store
-    return {"k_pool": s.k_pool, "v_pool": s.v_pool, "table": s.table, "meta": s.meta, "free": s.free,
+    return {"k_pool": s.k_pool, "v_pool": s.v_pool, "table": s.table, "meta": s.meta, "free": s.pool.free,
             "head_index": group.head_index}
 
 
@@ -34,8 +34,9 @@ def assert_layer_on(layer, device):
     for group in layer.groups:
         for name, t in _device_tensors(group).items():
             assert t.device == device, f"layer {layer.layer_idx} {group.kind} {name} on {t.device}, expected {device}"
-        if group.store.host_k is not None:
-            assert group.store.host_k.device.type == "cpu" and group.store.host_v.device.type == "cpu"
+        host = group.store.host
+        if host is not None and host.host_k is not None:
+            assert host.host_k.device.type == "cpu" and host.host_v.device.type == "cpu"
 
 
 def test_each_layer_initialises_on_its_keys_device():
@@ -50,7 +51,7 @@ def test_each_layer_initialises_on_its_keys_device():
     assert_layer_on(cache.layers[0], "cpu")
     assert_layer_on(cache.layers[1], "meta")
     stable = [g for g in cache.layers[0].groups if g.kind == "stable"][0]
-    assert stable.store.host_k is not None and stable.store.host_pages == 5  # the CPU layer's tier is populated
+    assert stable.store.host.host_k is not None and stable.store.host.pages == 5  # the CPU layer's tier is populated
     k, v = cache.layers[0].dense_kv()
     assert torch.equal(k, k0) and torch.equal(v, v0)
     assert cache.get_seq_length() == 21
@@ -133,7 +134,7 @@ def test_device_map_split_over_cuda_and_cpu():
     assert_layer_on(cache.layers[0], "cuda:0")
     assert_layer_on(cache.layers[1], "cpu")
     stable = [g for g in cache.layers[0].groups if g.kind == "stable"][0]
-    assert stable.store.host_k.is_pinned()  # the CUDA layer's host tier is pinned for async copies
+    assert stable.store.host.host_k.is_pinned()  # the CUDA layer's host tier is pinned for async copies
     low = FlexiCache(model.config, CFG, profile)
     out = model.generate(input_ids=ids, attention_mask=mask, past_key_values=low, max_new_tokens=40, do_sample=False,
                          pad_token_id=0)

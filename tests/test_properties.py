@@ -28,7 +28,7 @@ from transformers import DynamicCache
 import fc_hf.kernels as kernels
 from fc_hf import FlexiCacheConfig, HeadProfile
 from fc_hf.head_group import HeadGroup
-from fc_hf.kernels import bruteforce, torch_backend as ref
+from fc_hf.kernels import bruteforce
 
 EXAMPLES = int(os.environ.get("FLEXICACHE_HYPOTHESIS_EXAMPLES", "12"))
 SETTINGS = settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
@@ -93,7 +93,7 @@ def test_tiers_reconstruct_everything_and_attention_matches_bruteforce(case):
     checked = []
     real_attend = HeadGroup.attend
 
-    def spy_attend(group, query, step, token_valid, page_valid, scaling, softcap, check):
+    def spy_attend(group, query, step, token_valid, page_valid, scaling, softcap, check, out=None):
         seen = {}
         real_sda = kernels.sparse_decode_attention
 
@@ -103,7 +103,7 @@ def test_tiers_reconstruct_everything_and_attention_matches_bruteforce(case):
 
         kernels.sparse_decode_attention = spy_sda
         try:
-            out = real_attend(group, query, step, token_valid, page_valid, scaling, softcap, check)
+            out = real_attend(group, query, step, token_valid, page_valid, scaling, softcap, check, out=out)
         finally:
             kernels.sparse_decode_attention = real_sda
         layer = next(i for i, l in enumerate(cache.layers) if group in getattr(l, "groups", ()))

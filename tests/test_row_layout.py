@@ -1,4 +1,4 @@
-"""A tiered group's pages laid out row by row (`PagedKV.arrange_rows`), read in place by the PyTorch attention.
+"""A tiered group's pages laid out row by row (`SlotPool.arrange_rows`), read in place by the PyTorch attention.
 
 - the views `row_view` gives hold exactly what gathering the pages' slots gives, also for the pages opened after
   the arrangement, and the layout is dropped (None: gather again) as soon as a slot moves in a way it did not plan;
@@ -15,9 +15,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import left_padded_batch, tiny_model, watch_row_holes
+from conftest import left_padded_batch, tiny_model
 from fc_hf import FlexiCache, FlexiCacheConfig, FlexiCacheError, HeadProfile
 from fc_hf.paged_store import PagedKV, gather_pages
+from fc_hf.slot_pool import SlotPool
 from fc_hf.tiers import move_tiers
 
 B, H, P, D, PROMPT = 2, 3, 4, 8, 41  # 41 tokens: 11 pages, the last holding one token
@@ -51,7 +52,7 @@ def test_row_view_is_what_a_gather_reads():
     plain, _ = _tiered_store()  # the same tokens, never arranged
     sel = _ranked(store, g)
     assert store.row_view(sel, sel.shape[1]) is None  # a tier move is not an arrangement
-    store.arrange_rows(sel, headroom=2)
+    store.pool.arrange_rows(sel, headroom=2)
     assert store.slots_in_use() == store.rows * sel.shape[1]
     opened = 0
     for i in range(3 * P):
@@ -62,7 +63,7 @@ def test_row_view_is_what_a_gather_reads():
             for a, b in zip(view, _gathered(store, pages)):
                 assert torch.equal(a, b)
         else:
-            assert view is None and store.row_layout is None
+            assert view is None and store.pool.row_layout is None
         assert store.row_view(sel.clone(), pages.shape[1]) is None  # another selection tensor: not this layout
         k, v = torch.randn(B, H, 1, D, generator=g), torch.randn(B, H, 1, D, generator=g)
         before = store.num_pages
@@ -78,17 +79,17 @@ def test_row_view_is_what_a_gather_reads():
 def test_a_slot_move_it_did_not_plan_drops_the_layout():
     store, g = _tiered_store(1)
     sel = _ranked(store, g)
-    store.arrange_rows(sel, headroom=2)
+    store.pool.arrange_rows(sel, headroom=2)
     assert store.row_view(sel, sel.shape[1]) is not None
-    store.release(torch.tensor([], dtype=torch.long))  # nothing released: the layout stays
-    assert store.row_layout is not None
-    store.compact(0)
+    store.pool.release(torch.tensor([], dtype=torch.long))  # nothing released: the layout stays
+    assert store.pool.row_layout is not None
+    store.pool.compact(0)
     assert store.row_view(sel, sel.shape[1]) is None
     # Arranged again, then a beam reshuffle (rows duplicated) moves every slot.
-    store.arrange_rows(sel, headroom=1)
+    store.pool.arrange_rows(sel, headroom=1)
     assert store.row_view(sel, sel.shape[1]) is not None
     store.select_rows(torch.tensor([1, 1]))
-    assert store.row_layout is None
+    assert store.pool.row_layout is None
 
 
 def _generate(model, profile, ids, mask, steps=24, **cfg):
@@ -98,36 +99,8 @@ def _generate(model, profile, ids, mask, steps=24, **cfg):
     return torch.stack(out.scores), cache
 
 
-def test_rows_with_fewer_pages_keep_their_holes_as_zero_pages():
-    """`holes=True` (`budget_mass`): a row's -1 entries (valid entries first) are zero pages in the layout, outside
-    the table, their slots at the bottom of the free stack; the rest reads as a gather of the pages does."""
-    store, g = _tiered_store(2)
-    n, last = store.rows, store.num_pages - 1
-    picks = torch.stack([torch.randperm(last, generator=g)[:4] for _ in range(n)])
-    sel = torch.cat([torch.full((n, 1), last), picks], 1)  # the page being filled first; valid entries first
-    sel[0, 3:] = -1  # row 0 holds 3 pages, row 1 four, the others five
-    sel[1, 4:] = -1
-    move_tiers(store, torch.arange(store.num_pages).expand(n, -1), sel, variable=True)
-    store.arrange_rows(sel, headroom=2, holes=True)
-    held = int((sel >= 0).sum())
-    assert store.slots_in_use() == held == int((store.table[:, : store.num_pages] != 0).sum())
-    keys, values = store.row_view(sel, sel.shape[1])
-    slots = store.table.gather(1, sel.clamp(min=0)).masked_fill(sel < 0, 0)  # -1: the null block
-    m = sel.shape[1]
-    assert torch.equal(keys, gather_pages(store.k_pool, slots).view(n, m * P, D))
-    assert torch.equal(values, gather_pages(store.v_pool, slots).view(n, m * P, D))
-    assert not bool(keys.view(n, m, P, D)[sel < 0].any())  # the holes read as zeros (masked by the attention)
-    assert set(store.free[:3].tolist()) == {1 + 0 * (m + 2) + j for j in (3, 4)} | {1 + 1 * (m + 2) + 4}
-    # Nothing was lost: the device pages plus the host tier are every token.
-    plain, _ = _tiered_store(2)
-    for a, b in zip(store.dense(), plain.dense()):
-        assert torch.equal(a, b)
-
-
-@pytest.mark.parametrize("options", [{}, {"budget_split": "mass"}, {"budget_mass": 0.5}],
-                         ids=["even", "split", "mass"])
 @pytest.mark.parametrize("promotion", ["deferred", "sync"])
-def test_generation_reading_in_place_is_bit_identical(monkeypatch, promotion, options):
+def test_generation_reading_in_place_is_bit_identical(monkeypatch, promotion):
     model = tiny_model("llama", layers=2, heads=8, kv_heads=4)
     profile = HeadProfile.from_unstable(model.config, [(0, 1), (1, 0), (1, 3)])
     ids, mask = left_padded_batch(2, 45, pad_lengths=[0, 6])
@@ -140,24 +113,19 @@ def test_generation_reading_in_place_is_bit_identical(monkeypatch, promotion, op
             reads["in place" if view is not None else "gathered"] += 1
         return view
 
-    arrange = PagedKV.arrange_rows
     monkeypatch.setattr(PagedKV, "row_view", counted)
-    holes = watch_row_holes(monkeypatch)
     with torch.no_grad():
-        in_place, _ = _generate(model, profile, ids, mask, promotion=promotion, **options)
+        in_place, _ = _generate(model, profile, ids, mask, promotion=promotion)
     # Two stable groups, every decode step from the first ranking on (the headroom is never exhausted here).
     assert reads == {"in place": 2 * 23, "gathered": 0}
-    # Variable pages: some arrangement had a row of fewer pages than its group's widest (holes in the layout).
-    assert any(holes) == bool(options)
-    monkeypatch.setattr(PagedKV, "arrange_rows", arrange)
-    monkeypatch.setattr(PagedKV, "row_view", lambda self, arranged, m: None)
+    monkeypatch.setattr(SlotPool, "row_view", lambda self, arranged, m: None)
     with torch.no_grad():
-        gathered, _ = _generate(model, profile, ids, mask, promotion=promotion, **options)
+        gathered, _ = _generate(model, profile, ids, mask, promotion=promotion)
     assert torch.equal(in_place, gathered)
     # And what a store that never arranges gives (compaction alone, as before the layout existed).
-    monkeypatch.setattr(PagedKV, "arrange_rows", lambda self, pages, headroom, holes=False: self.compact(headroom * self.rows))
+    monkeypatch.setattr(SlotPool, "arrange_rows", lambda self, pages, headroom: self.compact(headroom * self.rows))
     with torch.no_grad():
-        never, _ = _generate(model, profile, ids, mask, promotion=promotion, **options)
+        never, _ = _generate(model, profile, ids, mask, promotion=promotion)
     assert torch.equal(in_place, never)
 
 
@@ -171,10 +139,10 @@ def test_residency_check_still_stops_a_missing_page():
         model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False, past_key_values=cache)
         group = cache.layers[0].groups[0]
         store = group.store
-        assert store.row_layout is not None  # read in place since the first ranking
+        assert store.pool.row_layout is not None  # read in place since the first ranking
         page = int(group.sel[0, 0])
         store.table[0, page] = 0  # a selected page that is not on the device (a bug the check exists for)
-        store.table_changed()
+        store.pool.table_changed()
         step = torch.tensor([[5]])
         with pytest.raises(FlexiCacheError, match="not resident"):
             model(input_ids=step, past_key_values=cache, use_cache=True,
@@ -190,7 +158,7 @@ def test_candidate_keys_come_from_the_host_where_not_resident():
     everything = torch.arange(store.num_pages).expand(store.rows, -1).flip(1)  # most pages now host-only
     for arranged in (False, True):
         if arranged:
-            store.arrange_rows(sel, headroom=2)
+            store.pool.arrange_rows(sel, headroom=2)
         got = store.page_keys(everything)
         valid = store.length - (store.num_pages - 1) * P  # the page being filled holds this many tokens
         assert torch.equal(got[:, 1:], want.flip(1)[:, 1:])

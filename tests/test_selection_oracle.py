@@ -1,8 +1,8 @@
 """The pages FlexiCache chooses, recomputed by brute force at every step (issue 14, item 1).
 
 A property test (hypothesis) draws shapes, padding, beam reorders and every selection option of
-`FlexiCacheConfig` (page_score and stable_page_score, score_subpages, refine_pages, sink_pages,
-recent_pages, streaming heads, both re-rank intervals, offload, promotion mode) and runs `selection_oracle.run_case`, which checks the
+`FlexiCacheConfig` (score_subpages, refine_pages, carry_pages, sink_pages, streaming heads, the
+re-rank interval, offload, promotion mode) and runs `selection_oracle.run_case`, which checks the
 ranking, what is read between rankings, the attention output and the MinMax metadata against
 brute force at every step (see tests/selection_oracle.py). Random continuous K/V and queries make
 exact score ties (other than forced and padding pages) a probability-0 event; ties are compared as
@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 from selection_oracle import run_case
 
 import fc_hf.selection as selection
+from fc_hf.minmax import MinMaxCache
 from fc_hf.paged_store import PagedKV
 
 EXAMPLES = int(os.environ.get("FLEXICACHE_HYPOTHESIS_EXAMPLES", "30"))
@@ -49,15 +50,12 @@ def cases(draw):
         page_size=page_size,
         token_budget=k * page_size,
         rerank_interval=draw(st.integers(1, 7)),
-        unstable_rerank_interval=draw(st.integers(1, 3)),
         offload=draw(st.integers(0, 3)) > 0,  # mostly tiered, so promotions happen (and go through the fake)
         promotion=draw(st.sampled_from(["sync", "deferred"])),
-        page_score=draw(st.sampled_from(["quest", "group_mean", "quest", "group_mean", "exact"])),
-        stable_page_score="exact" if draw(st.integers(0, 3)) == 0 else None,
-        refine_pages=draw(st.sampled_from([0, 0, None, k + draw(st.integers(1, 4))])),  # None: the default, 2K
+        refine_pages=draw(st.sampled_from([0, None, None, k + draw(st.integers(1, 4))])),  # None: the default, 2K
+        carry_pages=draw(st.sampled_from([None, None, 0, 2])),  # None: the default, max(1, K // 8)
         score_subpages=draw(st.sampled_from([None] + [s for s in (1, 2, 4) if page_size % s == 0])),  # None: 2 if even
         sink_pages=sink,
-        recent_pages=draw(st.integers(0, min(2, k - 1 - sink))),
         streaming_heads=(draw(st.sampled_from(pairs)),) if draw(st.integers(0, 3)) == 0 else (),
         streaming_sink_pages=draw(st.integers(1, k - 1)),
     )
@@ -78,15 +76,6 @@ def test_selection_reads_attention_and_metadata_match_bruteforce(case):
     run_case(case)
 
 
-def test_exact_page_mass_masks_padding():
-    """The shrunk counterexample hypothesis found: one row left-padded by one token, stable heads re-ranked exactly."""
-    run_case(dict(
-        layers=1, kv_heads=1, ratio=1, head_dim=4, prompt=24, decode=1, pads=[0, 1], holes=[None, None],
-        unstable=set(), reorders={}, scaling=0.1, seed=0,
-        cfg=dict(page_size=7, token_budget=21, rerank_interval=1, offload=False, stable_page_score="exact", sink_pages=0),
-    ))
-
-
 # -- mutants: each must be caught ------------------------------------------------------------------
 
 # One fixed case with every forcing option on, all heads stable and tiered (re-ranked every 3 steps),
@@ -95,7 +84,7 @@ BASE = dict(
     layers=1, kv_heads=2, ratio=2, head_dim=8, prompt=37, decode=12, pads=[0, 5], holes=[None, None],
     unstable=[], scaling=8**-0.5, seed=7, reorders={4: [1, 0], 8: [1, 1]},
     # refine_pages=0: the mutants below break the Quest bound itself, which refinement would partly hide.
-    cfg=dict(page_size=4, token_budget=24, rerank_interval=3, sink_pages=1, recent_pages=1, refine_pages=0),
+    cfg=dict(page_size=4, token_budget=24, rerank_interval=3, sink_pages=1, refine_pages=0),
 )
 
 
@@ -105,37 +94,39 @@ def _case(**cfg):
 
 def test_fixed_case_passes():
     """The fixed case the mutants run on is itself correct (so a mutant's failure is the mutant's)."""
-    for page_score in ("quest", "group_mean"):
-        for promotion in ("sync", "deferred"):
-            run_case(_case(page_score=page_score, promotion=promotion, score_subpages=2))
+    for promotion in ("sync", "deferred"):
+        run_case(_case(promotion=promotion, score_subpages=2))
     run_case(_case(refine_pages=9))
     run_case(_case(refine_pages=None))  # the default (2K)
+    run_case(CARRY)
 
 
-@pytest.mark.parametrize("page_score", ["quest", "group_mean"])
-def test_mutant_kmax_kmin_swapped_in_scoring(monkeypatch, page_score):
-    real = selection.PageSelector.page_scores
+# Refinement over 9 of 13+ pages with 2 carried pages (and their successors): the carried candidates decide rankings.
+CARRY = {**_case(refine_pages=9, carry_pages=2), "unstable": [(0, 0)], "decode": 16}
 
-    def swapped(self, query, meta, num_pages, page_valid, scaling):
+
+def test_mutant_kmax_kmin_swapped_in_scoring(monkeypatch):
+    real = selection.kernels.score_pages
+
+    def swapped(query, meta, *args, **kwargs):
         d = meta.shape[-1] // 2
-        return real(self, query, torch.cat([meta[..., d:], meta[..., :d]], -1), num_pages, page_valid, scaling)
+        return real(query, torch.cat([meta[..., d:], meta[..., :d]], -1), *args, **kwargs)
 
-    monkeypatch.setattr(selection.PageSelector, "page_scores", swapped)
+    monkeypatch.setattr(selection.kernels, "score_pages", swapped)
     with pytest.raises(AssertionError, match="^selection"):
-        run_case(_case(page_score=page_score))
+        run_case(_case())
 
 
 def test_mutant_kmax_kmin_swapped_when_written(monkeypatch):
-    real = PagedKV._pages_filled
+    real = MinMaxCache.write
 
-    def swapped(self, first, end, *args, **kwargs):
-        real(self, first, end, *args, **kwargs)
-        d = self.head_dim
-        s = self.subpages
-        entries = self.meta_t[:, :, first * s : end * s]
+    def swapped(self, first, keys):
+        real(self, first, keys)
+        d, s = keys.shape[-1], self.subpages
+        entries = self.meta_t[:, :, first * s : (first + keys.shape[1]) * s]
         entries.copy_(torch.cat([entries[:, d:], entries[:, :d]], 1))
 
-    monkeypatch.setattr(PagedKV, "_pages_filled", swapped)
+    monkeypatch.setattr(MinMaxCache, "write", swapped)
     with pytest.raises(AssertionError, match="^metadata after prefill"):
         run_case(_case())
 
@@ -145,9 +136,9 @@ def _stale_metadata_after_reorder(monkeypatch):
     real = PagedKV.select_rows
 
     def stale(self, batch_index):
-        old = self.meta_t
+        old = self.minmax.meta_t
         row_map = real(self, batch_index)
-        self.meta_t = old
+        self.minmax.meta_t = old
         return row_map
 
     monkeypatch.setattr(PagedKV, "select_rows", stale)
@@ -169,18 +160,6 @@ def test_mutant_stale_metadata_caught_by_selection_alone(monkeypatch):
         run_case(_case())
 
 
-def test_mutant_recent_window_one_page_early(monkeypatch):
-    real = selection.force_recent_pages
-
-    def early(scores, recent):
-        real(scores[:, :-1], recent)  # in place on a view that ends one page early
-        return scores
-
-    monkeypatch.setattr(selection, "force_recent_pages", early)
-    with pytest.raises(AssertionError, match="^selection"):
-        run_case(_case())
-
-
 def test_mutant_sink_one_page_late(monkeypatch):
     real = selection.kernels.force_sink_pages
 
@@ -193,18 +172,32 @@ def test_mutant_sink_one_page_late(monkeypatch):
         run_case(_case())
 
 
-def test_mutant_one_recent_page_too_many(monkeypatch):
-    real = selection.force_recent_pages
-    monkeypatch.setattr(selection, "force_recent_pages", lambda scores, recent: real(scores, recent + 1))
-    with pytest.raises(AssertionError, match="^selection"):
-        run_case(_case())
-
-
 def test_mutant_refinement_skipped(monkeypatch):
     """refine_pages set, but the top K of the proposal score are kept as they are."""
-    monkeypatch.setattr(selection.PageSelector, "_refine", lambda self, query, store, scores, *a: self.choose(scores))
+    monkeypatch.setattr(selection.PageSelector, "select", lambda self, scores, *a, **k: selection.kernels.select_topk(
+        scores, self.k))
     with pytest.raises(AssertionError, match="^selection"):
         run_case(_case(refine_pages=9))
+
+
+def test_mutant_carried_pages_dropped(monkeypatch):
+    """A ranking forgets what the previous one carried."""
+    monkeypatch.setattr(selection.PageSelector, "_carry", lambda self, *a: None)
+    with pytest.raises(AssertionError, match="^selection"):
+        run_case(CARRY)
+
+
+def test_mutant_carried_successors_dropped(monkeypatch):
+    """Only the carried pages themselves, not the page after each, become candidates."""
+    real = selection.PageSelector._carry
+
+    def no_successor(self, *args):
+        real(self, *args)
+        self.carried[1][:, 1::2] = float("-inf")  # the successors' entries (after each page's own) carry nothing
+
+    monkeypatch.setattr(selection.PageSelector, "_carry", no_successor)
+    with pytest.raises(AssertionError, match="^selection"):
+        run_case(CARRY)
 
 
 def test_mutant_stable_heads_forget_pages_created_since_rank(monkeypatch):

@@ -10,7 +10,7 @@ import copy
 
 import pytest
 import torch
-from conftest import tiny_config, tiny_model, watch_row_holes
+from conftest import tiny_config, tiny_model
 from transformers import DynamicCache
 
 from fc_hf import FlexiCache, FlexiCacheConfig, FlexiCacheError, HeadProfile
@@ -20,9 +20,9 @@ pytestmark = pytest.mark.usefixtures("no_grad")
 
 CONFIGS = {
     "low": FlexiCacheConfig(page_size=4, token_budget=16, rerank_interval=3),
-    # a deferred promotion, tail estimates (page means), sub-page MinMax entries, a forced recent page, two sink pages
+    # a deferred promotion, sub-page MinMax entries, two carried pages, two sink pages
     "low-variants": FlexiCacheConfig(page_size=4, token_budget=20, rerank_interval=3, promotion="deferred",
-                                     tail_estimate=True, score_subpages=2, recent_pages=1, sink_pages=2),
+                                     score_subpages=2, carry_pages=2, sink_pages=2),
     "full": FlexiCacheConfig(page_size=4, token_budget=512, rerank_interval=3),
 }
 SCALE = 0.25
@@ -87,9 +87,10 @@ def assert_same_state(a, b, atol=0.0):
 
 
 def _assert_same_store(sa, sb, same):
-    assert (sa.length, sa.n_free, sa.host_pages, sa.counters) == (sb.length, sb.n_free, sb.host_pages, sb.counters)
-    assert torch.equal(sa.free[: sa.n_free], sb.free[: sb.n_free])  # the same slots, in the same order
-    pages, full, s = sa.num_pages, sa.full_pages, sa.subpages
+    pa, pb = sa.pool, sb.pool
+    assert (sa.length, pa.n_free, sa.counters) == (sb.length, pb.n_free, sb.counters)
+    assert torch.equal(pa.free[: pa.n_free], pb.free[: pb.n_free])  # the same slots, in the same order
+    pages, full, s = sa.num_pages, sa.full_pages, sa.minmax.subpages
     assert torch.equal(sa.table[:, :pages], sb.table[:, :pages])
     for t in (sa.table, sb.table):
         assert not t[:, pages:].any()  # no page past the end is resident
@@ -100,18 +101,17 @@ def _assert_same_store(sa, sb, same):
         assert same(got[:, :full], want[:, :full])
         r = sa.length - full * sa.page_size
         assert same(got[:, full:, :r], want[:, full:, :r])
-    width = min(sa.meta_t.shape[2], sb.meta_t.shape[2])
-    assert same(sa.meta_t[:, :, :width], sb.meta_t[:, :, :width])  # full pages' entries; zeros past them
-    assert not sa.meta_t[:, :, full * s :].any() and not sb.meta_t[:, :, full * s :].any()
-    if sa.page_means is not None:
-        assert same(sa.page_means[:, :full], sb.page_means[:, :full])
-        assert not sa.page_means[:, full:].any() and not sb.page_means[:, full:].any()
+    ma, mb = sa.minmax.meta_t, sb.minmax.meta_t
+    width = min(ma.shape[2], mb.shape[2])
+    assert same(ma[:, :, :width], mb[:, :, :width])  # full pages' entries; zeros past them
+    assert not ma[:, :, full * s :].any() and not mb[:, :, full * s :].any()
     if sa.tiered:
         sa.transfers.sync_host(), sb.transfers.sync_host()  # offloads in flight land (deferred fake: NaN until then)
-        assert sa.host_k.shape == sb.host_k.shape
-        assert same(sa.host_k[: sa.host_pages], sb.host_k[: sb.host_pages])
-        assert same(sa.host_v[: sa.host_pages], sb.host_v[: sb.host_pages])
-    la, lb = sa.row_layout, sb.row_layout
+        ha, hb = sa.host, sb.host
+        assert ha.pages == hb.pages and ha.host_k.shape == hb.host_k.shape
+        assert same(ha.host_k[: ha.pages], hb.host_k[: hb.pages])
+        assert same(ha.host_v[: ha.pages], hb.host_v[: hb.pages])
+    la, lb = pa.row_layout, pb.row_layout
     assert (la is None) == (lb is None)
     if la is not None:
         assert (la["width"], la["used"]) == (lb["width"], lb["used"]) and torch.equal(la["pages"], lb["pages"])
@@ -245,7 +245,7 @@ def assert_crop_cycles_hold_memory(cache, keys, values, queries, cycles: int = 3
         after.pop("peak_device_kv_bytes")
         assert after == before
         assert all(not layer._marks for layer in cache.flexi_layers)
-        assert not any(store._marked for layer in cache.flexi_layers for store in layer.stores())
+        assert not any(store.pool.marked for layer in cache.flexi_layers for store in layer.stores())
 
 
 # -- generate ---------------------------------------------------------------------------------------------------
@@ -352,21 +352,3 @@ def test_what_assisted_decoding_cannot_do_is_refused_clearly():
                       profile="auto")
     with pytest.raises(FlexiCacheError, match='profile="auto"'):
         _generate(model, ids, mask, auto, prompt_lookup_num_tokens=3)
-
-
-@pytest.mark.parametrize("family,shape", [("llama", {}), ("qwen2", {}), ("llama", {"heads": 8, "kv_heads": 4})])
-def test_prompt_lookup_under_budget_mass_gives_greedy_tokens(family, shape, monkeypatch):
-    """`budget_mass`: stable rows of fewer pages than their group's widest are laid out with holes
-    (`PagedKV.arrange_rows(holes=True)`); verification and crops over that layout give plain greedy decoding's tokens
-    and state."""
-    holes = watch_row_holes(monkeypatch)
-    model = tiny_model(family, **shape)
-    cfg = FlexiCacheConfig(page_size=4, token_budget=16, rerank_interval=3, budget_mass=0.5)
-    profile, (ids, mask) = _mixed_profile(model), _prompt()
-    plain = _generate(model, ids, mask, FlexiCache(model.config, cfg, profile))
-    cache = FlexiCache(model.config, cfg, profile)
-    assert torch.equal(_generate(model, ids, mask, cache, prompt_lookup_num_tokens=4), plain)
-    assert any(holes)
-    reference = FlexiCache(model.config, cfg, profile)
-    _generate(model, ids, mask, reference)
-    assert_same_state(cache, reference, atol=1e-5)

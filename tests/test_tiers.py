@@ -44,9 +44,9 @@ def test_nothing_lost_every_step():
             group = [g for g in layer.groups if g.kind == "stable"][0]
             stable = group.store
             # every full page of a stable head is on the host, and most are no longer on the device
-            assert stable.host_pages == stable.full_pages
+            assert stable.host.pages == stable.full_pages
             full = stable.full_pages
-            host_keys = stable.host_k[:full].transpose(0, 1).reshape(stable.rows, -1, stable.head_dim)
+            host_keys = stable.host.host_k[:full].transpose(0, 1).reshape(stable.rows, -1, stable.head_dim)
             seen_keys = cache.seen[idx][0][:, group.head_index].reshape(stable.rows, -1, stable.head_dim)
             assert torch.equal(host_keys, seen_keys[:, : full * stable.page_size])
             assert stable.slots_in_use() < stable.rows * stable.num_pages or stable.num_pages <= 4
@@ -143,5 +143,5 @@ def test_cuda_tiers_match_cpu():
     model = model.cuda()
     cache = FlexiCache(model.config, FlexiCacheConfig(**CFG), _profile(model.config))
     gpu = _forced_decode(model, cache, ids.cuda(), mask.cuda(), forced.cuda())
-    assert cache.layers[0].groups[-1].store.host_k.is_pinned()
+    assert cache.layers[0].groups[-1].store.host.host_k.is_pinned()
     torch.testing.assert_close(gpu.cpu(), cpu, rtol=1e-4, atol=1e-4)

@@ -105,7 +105,7 @@ def _parser() -> argparse.ArgumentParser:
                         'twice) with those '
                         'fields on top of --cache-options, reported as its own row')
     p.add_argument("--paired-variant", default="",
-                   help='paired suite: FlexiCacheConfig fields, e.g. "budget_split=mass"; the suite then times '
+                   help='paired suite: FlexiCacheConfig fields, e.g. "carry_pages=0"; the suite then times '
                         'FlexiCache against FlexiCache with these fields on top (same context) instead of the floor')
     p.add_argument("--steps", type=int, default=16, help="timed decode steps per case (a multiple of the re-rank interval)")
     p.add_argument("--llama-layers", type=int, default=2, help="decoder layers of the Llama-8B-shaped model")

@@ -205,7 +205,7 @@ def parse_cache_variants(text: str | None) -> list[tuple[str, dict]]:
     """"old=refine_pages=0,score_subpages=1;refine=score_subpages=1" -> [("old", {...}), ("refine", {...})].
 
     Variants are separated by ";", each `LABEL=FIELD=VALUE[,FIELD=VALUE...]`; the fields are parsed by
-    `methods.parse_cache_options` (so a value list such as `dense_layers=0:1` works as it does there)."""
+    `methods.parse_cache_options` (so a value list such as `streaming_heads` works as it does there)."""
     variants: list[tuple[str, dict]] = []
     for item in filter(None, (part.strip() for part in (text or "").split(";"))):
         label, sep, fields = item.partition("=")

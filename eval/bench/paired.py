@@ -12,7 +12,7 @@ the per-step ratios (FlexiCache's step i over the floor's step i). Results go to
     flexicache bench paired --models smollm2 --lengths 16k,32k --batches 1,4 --budgets 1024 --steps 64
 
 With `--paired-variant FIELDS` the two sides are FlexiCache (`--cache-options`) and FlexiCache with FIELDS on top
-(e.g. `budget_split=mass`), both over the whole context: the cost of an option at the same bytes.
+(e.g. `carry_pages=0`), both over the whole context: the cost of an option at the same bytes.
 """
 
 from __future__ import annotations

@@ -74,16 +74,14 @@ def kv_bytes_read(r: dict, itemsize: int = 4) -> int:
     - dense: every layer reads L tokens of K and V, `2D` values each.
     - floor: the same over the `cache_tokens` it held.
     - quest / flexicache, with the row's config (`row_cache_config`): P = page_size, K = budget / P, Np = ceil(L / P),
-      S = `subpages`, C = `candidate_pages`, R = `rerank_interval`, Ru = `unstable_rerank_interval`; layers in
-      `dense_layers` read as dense. Per row of the other layers and step:
+      S = `subpages`, C = `candidate_pages`, R = `rerank_interval`. Per row and step:
       - attention: min(L, budget + P) tokens, `2D` each (the selection plus the tokens appended since it);
-      - rankings: `u / Ru + (1 - u) / R` per step, u = the row's share of unstable heads (`unstable_share`; 1 for
+      - rankings: `u + (1 - u) / R` per step, u = the row's share of unstable heads (`unstable_share`; 1 for
         Quest: no profile, every head re-ranked every step);
-      - one ranking scored by the bound (`page_score` "quest" / "group_mean"; stable heads: `stable_page_score` if
-        set) reads the MinMax metadata, kmax and kmin of every sub-page: `Np * S * 2D`; then, when refinement is on
-        (C > 0) and there are more than K pages, the keys of the min(C, Np) candidate pages: `min(C, Np) * P * D`.
-        A ranking with the "exact" score reads every key, `Np * P * D`, and does not refine;
-      - with `tail_estimate`: the mean key and value of every full page, `(Np - 1) * 2D`, every step.
+      - one ranking reads the MinMax metadata, kmax and kmin of every sub-page: `Np * S * 2D`; then, when refinement
+        is on (C > 0) and there are more than K pages, the keys of the min(C, Np) candidate pages: `min(C, Np) * P * D`.
+    The cache counts what it reads itself (`FlexiCache.stats()["bytes_read"]`); this is the same from the shapes, for
+    rows that did not record it.
     """
     s = SHAPES[r["model"]]
     layers = r.get("layers") or s["num_hidden_layers"]
@@ -98,21 +96,11 @@ def kv_bytes_read(r: dict, itemsize: int = 4) -> int:
     cfg = row_cache_config(r)
     p, k = cfg.page_size, cfg.pages_per_head
     pages = math.ceil(length / p)
-    dense_layers = len({l for l in cfg.dense_layers if 0 <= l < layers})
-    sparse_layers = layers - dense_layers
-
-    def ranking(score: str) -> int:  # values read by one ranking of one row
-        if score == "exact":
-            return pages * p * d
-        refine = min(cfg.candidate_pages, pages) * p * d if cfg.candidate_pages and pages > k else 0
-        return pages * cfg.subpages * 2 * d + refine
-
+    refine = min(cfg.candidate_pages, pages) * p * d if cfg.candidate_pages and pages > k else 0
+    ranking = pages * cfg.subpages * 2 * d + refine  # values read by one ranking of one row
     u = 1.0 if r["method"] == "quest" else r.get("unstable_share", 1.0)
-    per_row = (min(length, r["budget"] + p) * 2 * d
-               + u / cfg.unstable_rerank_interval * ranking(cfg.page_score)
-               + (1 - u) / cfg.rerank_interval * ranking(cfg.stable_page_score or cfg.page_score)
-               + (max(0, pages - 1) * 2 * d if cfg.tail_estimate else 0))
-    return int(rows * (dense_layers * length * per_token + sparse_layers * per_row * itemsize))
+    per_row = min(length, r["budget"] + p) * 2 * d + (u + (1 - u) / cfg.rerank_interval) * ranking
+    return int(rows * layers * per_row * itemsize)
 
 
 def _index(rows):

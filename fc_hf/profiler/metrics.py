@@ -1,6 +1,6 @@
 """Head-stability metrics of the profiler: cross-task overlap and held-out recall of unstable sets.
 
-The trace metrics (RCO, temporal stability) and the classification live in the core module
+The trace metrics (RCO, temporal stability) and the classification's tallies live in the core module
 `fc_hf.stability`, which FlexiCache's online classification (`profile="auto"`) uses too; they are
 re-exported here, so the offline profile and the online one come from one implementation.
 """
@@ -11,14 +11,7 @@ from typing import Iterable, Sequence
 
 import torch
 
-from fc_hf.stability import (
-    classify_heads,
-    count_unstable,
-    num_unstable_heads,
-    rco_by_offset,
-    select_unstable,
-    temporal_stability,
-)
+from fc_hf.stability import count_unstable, num_unstable_heads, rco_by_offset, select_unstable, temporal_stability
 
 __all__ = [
     "temporal_stability",
@@ -31,6 +24,25 @@ __all__ = [
     "heldout_recall",
     "rco_by_offset",
 ]
+
+
+def classify_heads(ts_list: Sequence[torch.Tensor], unstable_fraction: float = 0.25) -> set[tuple[int, int]]:
+    """The model's unstable KV heads from the TS of many samples (SPEC §2).
+
+    In each window the `unstable_fraction` of heads with the lowest TS are unstable for that window
+    (TS ties by head index); the result is the same number of heads, those unstable in the most
+    windows over all samples, ties broken by lower mean TS and then by (layer, head).
+
+    Args:
+        ts_list (sequence of `torch.Tensor` of shape `[num_windows, L, H]`): `temporal_stability` of each sample.
+        unstable_fraction (`float`, *optional*, defaults to 0.25): share of heads marked unstable.
+
+    Returns:
+        `set[tuple[int, int]]` of (layer, kv_head).
+    """
+    tally = count_unstable(ts_list, unstable_fraction)
+    mean_ts = tally["ts_sum"] / tally["ts_n"]
+    return select_unstable(tally["counts"], mean_ts, tally["n_unstable"])
 
 
 def overlap_matrix(sets: Sequence[Iterable[tuple[int, int]]]) -> torch.Tensor:

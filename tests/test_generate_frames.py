@@ -1,0 +1,53 @@
+"""What FlexiCache reads of transformers' `generate` from the call stack (`fc_hf/speculative.py`): no public hook passes
+it, so these fail loudly on any supported transformers version (5.17-5.x) where it moved. `make test` runs them on the
+newest, `make test-oldest` on 5.17."""
+
+import pytest
+import torch
+from conftest import tiny_model
+
+from fc_hf import FlexiCache, FlexiCacheConfig, FlexiCacheError
+from fc_hf import cache as cache_module
+from fc_hf import speculative
+from fc_hf.compat import cache_kwargs
+
+pytestmark = pytest.mark.usefixtures("no_grad")
+
+
+def test_generate_prefill_stage_is_found(monkeypatch):
+    """Every forward of generate's prompt stage (a chunked prompt of 2 x 64 + 1 tokens, its last chunk one token) is
+    found inside `GenerationMixin._prefill`, and no decode step is."""
+    model = tiny_model("llama", layers=2, heads=4, kv_heads=2)
+    seen = []
+    real = speculative.in_prefill
+    monkeypatch.setattr(cache_module, "in_prefill", lambda: seen.append(real()) or seen[-1])
+    ids = torch.randint(3, 90, (1, 129), generator=torch.Generator().manual_seed(0))
+    cache = FlexiCache(model.config, FlexiCacheConfig(page_size=8, token_budget=32))
+    model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False, prefill_chunk_size=64,
+                   **cache_kwargs(model, cache))
+    assert seen == [True, False, False, False]  # asked for one-token forwards only: the last chunk, then 3 steps
+    assert not real()  # and outside generate, nothing is found
+
+
+def test_assisted_loop_prompt_is_found(monkeypatch):
+    """Prompt lookup starts recording from transformers' assisted loop: FlexiCache finds the loop's prompt there."""
+    model = tiny_model("llama", layers=2, heads=4, kv_heads=2)
+    found = []
+    real = speculative.assisted_loop_prompt
+    monkeypatch.setattr(cache_module, "assisted_loop_prompt", lambda: found.append(real()) or found[-1])
+    ids = torch.randint(3, 90, (1, 70), generator=torch.Generator().manual_seed(1))
+    cache = FlexiCache(model.config, FlexiCacheConfig(page_size=8, token_budget=32))
+    model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False,
+                   prompt_lookup_num_tokens=3, **cache_kwargs(model, cache))
+    assert found and torch.equal(found[0], ids)
+
+
+def test_recording_on_an_empty_cache_outside_the_loop_refuses():
+    """Outside the loop, where the prompt ends is unknown: refuse rather than attend drafts densely."""
+    model = tiny_model("llama", layers=2, heads=4, kv_heads=2)
+    cache = FlexiCache(model.config, FlexiCacheConfig(page_size=8, token_budget=32))
+    with pytest.raises(FlexiCacheError, match="where the prompt ends"):
+        cache.activate_past_recording()
+    model(input_ids=torch.randint(3, 90, (1, 20)), **cache_kwargs(model, cache))
+    cache.activate_past_recording()  # a filled cache: every later token is a decode step
+    assert cache.prompt_end is None
