@@ -65,6 +65,12 @@ class FlexiCacheLM(HFLM):
         else:
             prepare_model(pretrained, method)
         super().__init__(pretrained=pretrained, **kwargs)
+        # Data parallel (`accelerate launch --num_processes N`): HFLM takes its rank from accelerate only when it sees
+        # more than one GPU, so on CPUs (or one GPU) every process would run every request. The processes accelerate
+        # started split the requests instead, as they do on several GPUs (eval/README.md, "Data-parallel evaluation").
+        acc = getattr(self, "accelerator", None)
+        if acc is not None and acc.num_processes > 1 and self._world_size == 1:
+            self._rank, self._world_size = acc.process_index, acc.num_processes
         self.method = method
         self.token_budget = int(token_budget)
         self.profile = _load_profile(profile, self.model.config)
