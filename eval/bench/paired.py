@@ -81,7 +81,9 @@ def paired_case(model, config, budget: int, length: int, batch: int, steps: int,
                    "ratio_of_means": sum(other) / sum(base), "median_step_ratio": statistics.median(ratios)})
     if options:
         result["options"] = dict(options)
-    for side in sides.values():
+    for name, side in sides.items():
+        if side["method"] == "flexicache":  # K/V pages, refinement candidates and metadata, counted by the cache
+            result[f"{name}_bytes_read_per_step"] = side["cache"].stats()["bytes_read_per_step"]
         del side["cache"]
     release_memory()
     return result
@@ -97,14 +99,17 @@ def markdown_table(results: list[dict]) -> str:
     a, b = sides(results[0]) if results else ("floor", "flexicache")
     label = {"floor": "floor", "flexicache": "FlexiCache", "variant": "variant"}
     head = ["model", "context", "batch", "budget", "steps", f"{label[a]} median / mean (ms)",
-            f"{label[b]} median / mean (ms)", "ratio of medians", "ratio of means", "median step ratio"]
+            f"{label[b]} median / mean (ms)", "ratio of medians", "ratio of means", "median step ratio",
+            "MB read per step (FlexiCache sides)"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in sorted(results, key=lambda r: (r["model"], r["length"], r["batch"], r["budget"])):
         lines.append("| " + " | ".join([
             r["model"], f"{r['length'] // 1024}k" if r["length"] % 1024 == 0 else str(r["length"]), str(r["batch"]),
             str(r["budget"]), str(r["steps"]), f"{r[a + '_median_ms']:.1f} / {r[a + '_mean_ms']:.1f}",
             f"{r[b + '_median_ms']:.1f} / {r[b + '_mean_ms']:.1f}", f"{r['ratio_of_medians']:.2f}×",
-            f"{r['ratio_of_means']:.2f}×", f"{r['median_step_ratio']:.2f}×"]) + " |")
+            f"{r['ratio_of_means']:.2f}×", f"{r['median_step_ratio']:.2f}×",
+            " / ".join(f"{r[k] / 1e6:.1f}" for k in (a + "_bytes_read_per_step", b + "_bytes_read_per_step") if k in r)
+            or "-"]) + " |")
     return "\n".join(lines)
 
 
