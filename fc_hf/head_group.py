@@ -173,9 +173,7 @@ class HeadGroup:
                 new_sel = self.selector.select(scores, query, store, scaling, token_valid, len(self.heads))
             self.rankings += 1
             self._count(ranked_rows=new_sel.shape[0], ranked_pages=new_sel.numel(),
-                        scored_pages=new_sel.shape[0] * store.num_pages,
-                        candidate_pages=new_sel.shape[0] * min(self.selector.refine, store.num_pages)
-                        if self.selector.refine and store.num_pages > self.selector.k else 0)
+                        scored_pages=new_sel.shape[0] * store.num_pages, candidate_pages=self.selector.candidates_read)
             forced, self.rank_next = self.rank_next, False
             if step > 1 and self.tiered and self.cfg.promotion == "deferred" and not forced:
                 # Attend with the current pages now; promote after this step's attention.
@@ -244,6 +242,19 @@ class HeadGroup:
             self.compacted = True
 
     # -- attention -------------------------------------------------------------------------------
+    def _where(self, pages: torch.Tensor, triton: bool, check: bool):
+        """How the attention finds `pages` `[N, M]`: `(row_kv, slots)`. On the PyTorch path a tiered group reads them in
+        place between rankings (`row_kv`, views of the pools: `PagedKV.arrange_rows`); on Triton the kernel looks their
+        slots up in the block table. Otherwise, or to check residency, `slots` (None when not needed)."""
+        row_kv = None if triton or self.sel is None else self.store.row_view(self.sel, pages.shape[1])
+        slots = None if (triton or row_kv is not None) and not check else self._slots_for(pages)
+        if check and self._checked_slots is not slots:
+            # Slots come out of a table look-up; the same look-up (pages and table unchanged: any tier move writes the
+            # table) was already checked, so a stable group checks once per ranking or new page.
+            self.store.check_resident(slots)
+            self._checked_slots = slots
+        return row_kv, slots
+
     def attend(self, query: torch.Tensor, step: int, token_valid: torch.Tensor | None, page_valid: torch.Tensor | None,
                scaling: float, softcap: float | None, check: bool, out: torch.Tensor | None = None) -> torch.Tensor:
         """Sparse decode attention for this group. `query [N, G, D]` -> `[N, G, Dv]` (written into `out` if given)."""
@@ -255,15 +266,7 @@ class HeadGroup:
         logits = self.selector.take_logits(pages, wanted=softcap is None and not triton)
         store.transfers.wait_promotions()
         with self._timed("gather_attention"):
-            # On Triton the kernel looks the pages' slots up in the block table (no gather launch before it).
-            # On the PyTorch path a tiered group reads its pages in place between rankings (`PagedKV.arrange_rows`).
-            row_kv = None if triton or self.sel is None else store.row_view(self.sel, pages.shape[1])
-            slots = None if (triton or row_kv is not None) and not check else self._slots_for(pages)
-            if check and self._checked_slots is not slots:
-                # Slots come out of a table look-up; the same look-up (pages and table unchanged: any tier move
-                # writes the table) was already checked, so a stable group checks once per ranking or new page.
-                store.check_resident(slots)
-                self._checked_slots = slots
+            row_kv, slots = self._where(pages, triton, check)
             self._count(read_pages=pages.numel(), read_rows=pages.shape[0],
                         reused_pages=0 if logits is None else pages.numel())
             out = kernels.sparse_decode_attention(
@@ -301,11 +304,7 @@ class HeadGroup:
         # Pages each step reads: those of its page count.
         reads = [n * (m - store.num_pages + -(-int(length) // p)) for length in lengths.tolist()]
         with self._timed("gather_attention"):
-            row_kv = None if self.sel is None else store.row_view(self.sel, m)
-            slots = None if row_kv is not None and not check else self._slots_for(pages)
-            if check and self._checked_slots is not slots:
-                store.check_resident(slots)
-                self._checked_slots = slots
+            row_kv, slots = self._where(pages, False, check)
             if row_kv is not None:
                 keys, values = row_kv
             else:

@@ -42,6 +42,7 @@ class PageSelector:
         # selection: marks, copies and row reorders carry it.
         self.carried: tuple[torch.Tensor, torch.Tensor] | None = None
         self._successor = self._raised = None  # constants of `_carry`
+        self.candidates_read = 0  # candidate pages whose keys the last `select` read (all rows)
 
     def scores(self, query: torch.Tensor, store, page_valid: torch.Tensor | None) -> torch.Tensor:
         """Scores `[N, Np]` (fp32) of every page of `store` for `query [N, G, D]`: the forced pages at +inf, pages
@@ -59,12 +60,14 @@ class PageSelector:
 
         `token_valid [B, L]` (optional): the padding mask, row n of the store being sequence n // `rows_per_batch`."""
         self._chosen_logits = None
+        self.candidates_read = 0
         if not self.refine or scores.shape[-1] <= self.k:
             return kernels.select_topk(scores, self.k)
         if self.carried is not None:
             scores.scatter_reduce_(1, self.carried[0], self.carried[1], "amax")
         # The candidates [N, C] and their scores (+inf: forced, kept first; -inf: all padding, kept last) in one op.
         cand_scores, cand = torch.topk(scores, min(self.refine, scores.shape[-1]), dim=-1, sorted=False)
+        self.candidates_read = cand.numel()
         logits = None
         if kernels.backend_for(query, self.cfg.backend) == "triton":
             # Two launches read the candidates' keys in place and give their masses (kernels/refine.py).
