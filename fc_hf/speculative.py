@@ -29,29 +29,31 @@ LOOP = "_assisted_decoding"  # GenerationMixin's speculative loop
 _GENERATION = ("transformers", "generation")  # the path of the module that defines both
 
 
-def _generation_frames(depth: int):
+def _generation_frame(name: str, depth: int):
+    """The first of the `depth` frames above the caller of `in_prefill` / `assisted_loop_prompt` that is `name` in
+    transformers' generation package, else None. The name is compared first: `in_prefill` walks the stack at every
+    decode step, where no frame matches and no file name is read."""
     frame = sys._getframe(2)
     for _ in range(depth):
         if frame is None:
-            return
-        parts = frame.f_code.co_filename.replace("\\", "/").split("/")
-        if tuple(parts[-3:-1]) == _GENERATION:
-            yield frame
+            return None
+        code = frame.f_code
+        if code.co_name == name and tuple(code.co_filename.replace("\\", "/").split("/")[-3:-1]) == _GENERATION:
+            return frame
         frame = frame.f_back
+    return None
 
 
 def in_prefill(depth: int = 24) -> bool:
     """Whether the caller runs inside `generate`'s prompt stage (`GenerationMixin._prefill`)."""
-    return any(f.f_code.co_name == PREFILL for f in _generation_frames(depth))
+    return _generation_frame(PREFILL, depth) is not None
 
 
 def assisted_loop_prompt(depth: int = 6) -> torch.Tensor | None:
     """The prompt ids `[B, L]` of transformers' assisted loop when the caller runs in it, else None."""
-    for frame in _generation_frames(depth):
-        if frame.f_code.co_name == LOOP:
-            ids = frame.f_locals.get("input_ids")
-            return ids if isinstance(ids, torch.Tensor) and ids.dim() == 2 and ids.shape[1] else None
-    return None
+    frame = _generation_frame(LOOP, depth)
+    ids = None if frame is None else frame.f_locals.get("input_ids")
+    return ids if isinstance(ids, torch.Tensor) and ids.dim() == 2 and ids.shape[1] else None
 
 
 def check_loop_start(prompt: torch.Tensor | None, held: int) -> None:
