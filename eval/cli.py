@@ -1,4 +1,4 @@
-"""`flexicache eval {fidelity,freerun,chunked,ruler,longbench,leval,agreement,selection,misses,summary,tasks-path,lm-eval}`: accuracy retention against dense.
+"""`flexicache eval {fidelity,freerun,chunked,ruler,longbench,leval,agreement,selection,misses,stale,summary,tasks-path,lm-eval}`: accuracy retention against dense.
 
 Examples:
 
@@ -181,6 +181,16 @@ def _misses_options(m):
     m.add_argument("--threads", type=int, default=None, help="torch threads")
 
 
+def _stale_options(s):
+    s.add_argument("--model", default="qwen2.5-coder-0.5b-instruct", help="bundled model name or a local model folder")
+    s.add_argument("--sources", type=_csv(), default=["demo"], help="cases, as `eval misses --sources`")
+    s.add_argument("--leval-data", default="../shared/data/leval/open-ended", help="L-Eval data folder (leval: sources)")
+    s.add_argument("--budget", type=int, default=1024)
+    s.add_argument("--options", default="", help='FlexiCacheConfig fields on top of the default, e.g. "rerank_interval=8"')
+    s.add_argument("--out", default="results/stale/stale.jsonl", help="one JSON line per head-step (resumed); .md beside")
+    s.add_argument("--threads", type=int, default=None, help="torch threads")
+
+
 def _agreement_options(a):
     a.add_argument("--results", default="results", help="results root (--out of `flexicache eval leval|longbench`)")
     a.add_argument("--bench", default="leval", help="benchmark folder under the root (leval, longbench)")
@@ -348,6 +358,23 @@ def _misses(args) -> int:
     return 0
 
 
+def _stale(args) -> int:
+    from pathlib import Path
+
+    import torch
+
+    from .stale import run_stale, stale_markdown
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    rows = run_stale(args.model, args.sources, args.out, parse_cache_options(args.options), args.budget,
+                     args.leval_data)
+    text = stale_markdown(rows)
+    Path(args.out).with_suffix(".md").write_text(text + "\n")
+    print(text)
+    return 0
+
+
 SUBCOMMANDS: dict[str, Subcommand] = {
     "fidelity": Subcommand("teacher-forced agreement with dense on real text (continue / recall)", _fidelity_options,
                            partial(_evaluate, _fidelity)),
@@ -366,6 +393,8 @@ SUBCOMMANDS: dict[str, Subcommand] = {
                             _selection_options, _selection),
     "misses": Subcommand("confident misses teacher-forced on dense's tokens: which head missed which page, and why",
                          _misses_options, _misses),
+    "stale": Subcommand("stable heads between re-ranks: the mass they lose, and whether a free signal predicts it",
+                        _stale_options, _stale),
     "summary": Subcommand("Markdown retention / fidelity tables and plots of a results folder", _summary_options, _summary),
     "tasks-path": Subcommand("print the lm-eval include path of the L-Eval and LongBench task configs",
                              lambda sp: None, _tasks_path),

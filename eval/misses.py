@@ -349,10 +349,13 @@ def verdict(step: dict) -> str:
 
 # -- cases -------------------------------------------------------------------------------------------------------------
 def cases_for(sources: Sequence[str], tokenizer, model_folder, *, leval_data=None, prompt_tokens: int = 4096,
-              new_tokens: int = 64) -> list[Case]:
+              new_tokens: int = 64, model=None) -> list[Case]:
     """Cases from source specs: `demo` (the demo's document and question, 24 tokens), `ruler:TASK:LENGTH:SAMPLE[:kjv]`
     (lm-eval's RULER prompt; `kjv`: an essay task on the King James Bible), `leval:TASK:INDEX` (the harness's L-Eval prompt cut to `prompt_tokens`, `new_tokens`),
-    `kjv:OFFSET` (`prompt_tokens` of King James text teacher-forced on its next `new_tokens`)."""
+    `kjv:OFFSET` (`prompt_tokens` of King James text teacher-forced on its next `new_tokens`). `model`: the model a
+    `ruler:` source's harness wraps (needed by those)."""
+    if model is not None:
+        _ruler_case.model = model
     cases = []
     for source in sources:
         kind, *rest = source.split(":")
@@ -486,7 +489,6 @@ def run_misses(model_name: str, sources: Sequence[str], out: str | Path, variant
 
     model, tok, folder = load_model(model_name, dtype)
     prepare_model(model, "flexicache")
-    _ruler_case.model = model
     others = {v: prepare_model(load_model(model_name, v.split("-", 1)[1])[0], "dense")
               for v in variants if isinstance(v, str)}
     reuse = {None: PrefixReuse(model), **{v: PrefixReuse(m) for v, m in others.items()}}
@@ -496,7 +498,8 @@ def run_misses(model_name: str, sources: Sequence[str], out: str | Path, variant
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
     done = {(r["case"], r["variant"]) for r in rows}
     todo = [s for s in sources if any((s, variant_name(v)) not in done for v in variants)]
-    for case in cases_for(todo, tok, folder, leval_data=leval_data, prompt_tokens=prompt_tokens, new_tokens=new_tokens):
+    for case in cases_for(todo, tok, folder, leval_data=leval_data, prompt_tokens=prompt_tokens, new_tokens=new_tokens,
+                          model=model):
         prefill = reuse[None](case.prompt_ids)  # a document's questions share its prefill
         target, dense = dense_reference(model, prefill, case)
         # The profile the case's own evaluation runs with (made without its task's material; the demo's: bundled).

@@ -83,3 +83,20 @@ def test_dense_reference_and_a_comparison_in_another_dtype():
     assert same["first_part"] is None and same["method_top1"] == same["dense_top1"]  # the model against itself
     sparse = misses.compare_case(model, case, prefill, target, dense, cfg, None)
     assert sparse["dense_top1"] == target and sparse["method_top1"][0] == target[0]  # the prefill is exact
+
+
+def test_stale_rows_are_the_stable_heads_between_re_ranks():
+    from fc_hf.eval import stale
+
+    model, prefill, prompt, target, cache, logprobs, replay = _run(carry_pages=0)
+    rows = stale.stale_rows(model, cache, "random", len(prompt), target, replay.recorder, replay.cfg)
+    # Heads (0, 0) and (1, 1) are stable, R = 4: they rank at steps 1, 4, 8, 12 (0-based 0, 3, 7, 11); 14 steps.
+    assert sorted({(r["layer"], r["head"]) for r in rows}) == [(0, 0), (1, 1)]
+    assert sorted({r["step"] for r in rows}) == [1, 2, 4, 5, 6, 8, 9, 10, 12, 13]
+    assert {r["since"] for r in rows} == {1, 2, 3}
+    for r in rows:  # the same stale loss the miss diagnosis reports for that head and step
+        mine = next(h for h in misses.head_losses(replay, r["step"]) if (h["layer"], h["head"]) == (r["layer"], r["head"]))
+        assert mine["loss"]["stale"] == pytest.approx(max(0.0, r["fresh"] - r["actual"]), abs=1e-6)
+        assert -1 - 1e-5 <= r["cos"] <= 1 + 1e-5
+    text = stale.stale_markdown(rows)
+    assert "| 3 | 4 |" in text and "| 1 | 8 |" in text and "| cos |" in text  # since 3: steps 6 and 10
