@@ -4,7 +4,7 @@
 |-------------|-------------------------------------------------------------------------------------|
 | dense       | transformers' `DynamicCache` with sdpa attention: the reference                     |
 | flexicache  | stability-aware: the profile's unstable heads re-ranked every step, stable heads    |
-|             | every R=16 steps, host tier on                                                      |
+|             | every R=8 steps (`rerank_interval`), host tier on                                   |
 | auto        | flexicache with `profile="auto"`: no offline profile; every head is Quest-like for  |
 |             | the first `warmup_steps` decode steps, then classified online (fc_hf/online.py)     |
 | quest       | no profile: every head re-ranked every step, everything on the device (Quest); its  |
@@ -12,7 +12,7 @@
 |             | set `score_subpages` / `refine_pages`                                               |
 | no-rerank   | every head stable, R=10**9: the top-K chosen at the first decode step stays         |
 |             | (permanent eviction, SnapKV-like)                                                   |
-| uniform     | every head stable, re-ranked every R=16 steps (no stability awareness)              |
+| uniform     | every head stable, re-ranked every R=8 steps (no stability awareness)               |
 | lserve      | LServe-like: half the KV heads attend to sink + recent pages only (streaming),      |
 |             | the rest are stable heads re-ranked every 4 steps                                   |
 

@@ -8,11 +8,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from fc_hf import FlexiCacheConfig
 from fc_hf.eval.bench import common as bench_common
 from fc_hf.eval.bench import ops as bench_ops
 from fc_hf.head_group import HeadGroup
 
-PROMPT, BUDGET, STEPS = 136, 64, 16  # 8.5 pages of 16, 4 pages of budget, one re-rank at step 16
+PROMPT, BUDGET, STEPS = 132, 64, 16  # 8.25 pages of 16, 4 pages of budget, re-ranks at steps 8 and 16 (R = 8)
 
 
 def test_views_and_allocations_are_not_counted_compute_and_syncs_are():
@@ -76,9 +77,10 @@ def _case(tiny, method):
 def test_counts_per_method_and_step_kind(tiny):
     cases = {m: _case(tiny, m) for m in ("dense", "quest", "flexicache")}
     kinds = [s["kind"] for s in cases["dense"]["steps"]]
-    # 136 + 8 = 144 fills page 8 at step 8; step 9 opens page 9; step 16 re-ranks the stable heads.
-    assert kinds[0] == "first" and kinds[7] == kinds[8] == "page" and kinds[15] == "rerank"
-    assert kinds.count("plain") == 12
+    # 132 + 12 = 144 fills page 8 at step 12; step 13 opens page 9; steps 8 and 16 re-rank the stable heads.
+    assert FlexiCacheConfig().rerank_interval == 8
+    assert kinds[0] == "first" and kinds[11] == kinds[12] == "page" and kinds[7] == kinds[15] == "rerank"
+    assert kinds.count("plain") == 11
     s = {m: c["summary"] for m, c in cases.items()}
     assert 0 < s["dense"]["plain"]["ops_per_layer"] < s["quest"]["plain"]["ops_per_layer"]
     assert s["dense"]["plain"]["cache_attn_per_layer"] > 0

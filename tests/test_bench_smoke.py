@@ -65,8 +65,8 @@ def test_promotion_counts_match_copied_bytes():
     assert r["new_tokens"] == 40
     assert r["bytes_match_pages"] and r["bytes_match_copies"]
     assert r["bytes_promoted"] == r["bytes_copied_counted"]
-    # 39 decode steps: stable re-ranks at steps 16 and 32 promote (step 1 only drops pages).
-    assert r["rerank_events"] == 2
+    # 39 decode steps: stable re-ranks at steps 8, 16, 24 and 32 promote (R = 8; step 1 only drops pages).
+    assert FlexiCacheConfig().rerank_interval == 8 and r["rerank_events"] == 4
     assert all(0.0 <= f <= 1.0 for f in r["fractions"])
     assert r["pages_promoted"] > 0  # random queries move the top-K
 
@@ -238,9 +238,9 @@ def test_bytes_per_step_estimates():
     assert bench_report.kv_bytes_read(dense) == 30 * 3 * 2 * 64 * 4 * 16384
     assert bench_report.kv_bytes_read(sparse) < bench_report.kv_bytes_read(dense) / 6
     # Per row (30 layers x 3 KV heads, fp32), in values: attention over 1024 + 16 tokens of K and V; rankings per
-    # step 0.25 (unstable, every step) + 0.75 / 16 (stable); a ranking reads 1024 pages x S MinMax entries of 2 x 64
-    # and, refining, the keys of C candidate pages of 16 x 64.
-    attend, rankings = 1040 * 2 * 64, 0.25 + 0.75 / 16
+    # step 0.25 (unstable, every step) + 0.75 / R (stable, R = 8); a ranking reads 1024 pages x S MinMax entries of
+    # 2 x 64 and, refining, the keys of C candidate pages of 16 x 64.
+    attend, rankings = 1040 * 2 * 64, 0.25 + 0.75 / 8
     minmax, candidates = 1024 * 2 * 64, 16 * 64
     per_step = lambda per_row: int(30 * 3 * per_row * 4)  # noqa: E731
     assert bench_report.kv_bytes_read(sparse) == per_step(attend + rankings * (2 * minmax + 128 * candidates))

@@ -23,10 +23,10 @@ def test_method_configs(tiny):
     cfg = tiny.config
     assert M.method_config("dense", 1024, cfg) is None
     fc = M.method_config("flexicache", 2048, cfg)
-    assert (fc.token_budget, fc.rerank_interval, fc.offload, fc.streaming_heads) == (2048, 16, True, ())
+    assert (fc.token_budget, fc.rerank_interval, fc.offload, fc.streaming_heads) == (2048, 8, True, ())
     assert M.method_config("quest", 1024, cfg).offload is False
     assert M.method_config("no-rerank", 1024, cfg).rerank_interval == M.NO_RERANK_INTERVAL
-    assert M.method_config("uniform", 1024, cfg).rerank_interval == 16
+    assert M.method_config("uniform", 1024, cfg).rerank_interval == 8
     ls = M.method_config("lserve", 1024, cfg)
     assert ls.rerank_interval == 4 and ls.streaming_heads == ((0, 0), (1, 0))
     base = FlexiCacheConfig(page_size=8, backend="torch")

@@ -6,7 +6,7 @@ passage are teacher-forced. The score is the share of steps whose next-token pre
 dense attention's. At a 512-token budget (a quarter of the prompt), every method below reads the same
 number of pages per head; only *which* pages differ:
 
-- flexicache: the bundled head profile, stable heads re-ranked every 16 steps (defaults);
+- flexicache: the bundled head profile, stable heads re-ranked every 8 steps (defaults);
 - no-rerank: the top-K chosen at the first decode step stays (permanent eviction, SnapKV-like);
 - recency: every head reads the sink page and the most recent pages only (StreamingLLM-like);
 - random: FlexiCache's schedule and forcing, but random page scores.

@@ -120,7 +120,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--ops-shapes", default="smollm2,llama8b", help="ops suite: attention shapes (smollm2, llama8b, tiny)")
     p.add_argument("--ops-backends", default="torch,triton", help="ops suite: kernel backends (torch, triton)")
     p.add_argument("--ops-budget", type=int, default=1024, help="ops suite: token budget")
-    p.add_argument("--ops-prompt", type=int, default=4104, help="ops suite: context tokens before the first decode step")
+    p.add_argument("--ops-prompt", type=int, default=4100, help="ops suite: context tokens before the first decode step")
     p.add_argument("--ops-steps", type=int, default=32, help="ops suite: decode steps counted (step 1 apart)")
     p.add_argument("--ops-triton-prompt", type=int, default=1032,
                    help="ops suite, Triton rows: context tokens (the interpreter is slow; same structure as the torch rows)")

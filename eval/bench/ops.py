@@ -30,17 +30,17 @@ copies (`with fc_hf.transfer.host_work:`) runs on the CPU on CUDA too: its ops a
 
 Methods: dense (`DynamicCache` + sdpa), quest (FlexiCache, `profile=None`: every head re-ranked every
 step, one tier) and flexicache (the shipped profile for SmolLM2's shape, else `common.spread_profile` with
-`--unstable-fraction`), batch 1, fp32, budget 1024, pages of 16, R = 16. The models are random-weight
+`--unstable-fraction`), batch 1, fp32, budget 1024, pages of 16, R = 8. The models are random-weight
 Llamas with the attention shape of SmolLM2-135M (30 layers, 9 query / 3 KV heads, head_dim 64: all its
 layers, so the shipped profile fits) or Llama-3.1-8B (32 / 8 heads, head_dim 128, 2 layers), with a tiny
 hidden size, MLP and vocabulary: op counts do not depend on those sizes. The prompt's K/V is written
-straight into the cache (`common.ingest_random_kv`), 4096 + 8 tokens, so the page being filled fills at
-step 8 + 16 k and a new page opens the step after, never on a re-rank step.
+straight into the cache (`common.ingest_random_kv`), 4096 + 4 tokens, so the page being filled fills at
+step 12 + 16 k and a new page opens the step after, never on a re-rank step (8 k).
 
 Steps 2 .. `--ops-steps` are counted (step 1, the first ranking that drops the prompt's pages, apart)
 and classified: `rerank` (step % R == 0: FlexiCache's stable heads re-rank; promotions), `page` (a page
-fills or a new one opens), `plain` (neither: the steady state, 12 of every 16 steps here); `period` is the
-mean over one whole re-rank period (steps 2 .. R + 1). Per layer-step
+fills or a new one opens), `plain` (neither: the steady state, 12 of every 16 steps here: 2 re-ranks, 2 page steps); `period` is the
+mean over whole periods of both schedules (steps 2 .. lcm(R, P) + 1). Per layer-step
 = the ops inside the decoder layers divided by their number; "cache + attention" is the part inside
 `cache.update` and the attention function (projections, norms, RoPE and MLP excluded); the ops outside
 the decoder layers (embedding, masks, final norm, LM head, argmax) are reported per step.
@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import sys
 from collections import Counter
@@ -358,7 +359,8 @@ def count_case(model, config, method: str, budget: int, prompt: int, steps: int,
                 })
         del cache
     return {"method": method, "budget": budget if method != "dense" else None, "backend": backend if method != "dense"
-            else "torch", "layers": layers, "prompt": prompt, "batch": batch, "padding": padding, "steps": per_step}
+            else "torch", "layers": layers, "prompt": prompt, "batch": batch, "padding": padding, "steps": per_step,
+            "period": math.lcm(base.rerank_interval, base.page_size)}
 
 
 def summarize(case: dict) -> dict:
@@ -368,10 +370,10 @@ def summarize(case: dict) -> dict:
     groups = {}
     for s in case["steps"]:
         groups.setdefault(s["kind"], []).append(s)
-    # One whole re-rank period, steps 2 .. R + 1 (one re-rank, one page filled, one opened): when all were run.
-    rerank_steps = [s["step"] for s in case["steps"] if s["kind"] == "rerank"]
-    if rerank_steps and len(case["steps"]) > rerank_steps[0]:
-        groups["period"] = [s for s in case["steps"] if 2 <= s["step"] <= rerank_steps[0] + 1]
+    # Whole periods of both schedules, steps 2 .. lcm(R, P) + 1 (every kind in its share): when all were run.
+    period = case.get("period", 16)
+    if any(s["kind"] == "rerank" for s in case["steps"]) and len(case["steps"]) > period:
+        groups["period"] = [s for s in case["steps"] if 2 <= s["step"] <= period + 1]
     for kind, steps in groups.items():
         n = len(steps)
         if not n:
