@@ -116,7 +116,8 @@ def stale_markdown(rows: Sequence[dict]) -> str:
     by_since = defaultdict(list)
     for r, x in zip(rows, loss):
         by_since[r["since"]].append(x)
-    lines += [f"| {s} | {len(v)} | {sum(v) / len(v):.3f} | {sum(x > BIG for x in v)} |" for s, v in sorted(by_since.items())]
+    lines += [f"| {s} | {len(v)} | {sum(v) / len(v):.3f} | {sum(x > BIG for x in v)} |"
+              for s, v in sorted(by_since.items())]
     lines += ["", "| signal | AUC (loss > 0.2) | stale loss at the top 2% / 5% / 10% of head-steps |", "|---|---|---|"]
     for name, sign in SIGNALS.items():
         vals = [sign * r[name] for r in rows]

@@ -39,8 +39,8 @@ step 12 + 16 k and a new page opens the step after, never on a re-rank step (8 k
 
 Steps 2 .. `--ops-steps` are counted (step 1, the first ranking that drops the prompt's pages, apart)
 and classified: `rerank` (step % R == 0: FlexiCache's stable heads re-rank; promotions), `page` (a page
-fills or a new one opens), `plain` (neither: the steady state, 12 of every 16 steps here: 2 re-ranks, 2 page steps); `period` is the
-mean over whole periods of both schedules (steps 2 .. lcm(R, P) + 1). Per layer-step
+fills or a new one opens), `plain` (neither: the steady state, 12 of every 16 steps here, besides 2 re-ranks and
+2 page steps); `period` is the mean over whole periods of both schedules (steps 2 .. lcm(R, P) + 1). Per layer-step
 = the ops inside the decoder layers divided by their number; "cache + attention" is the part inside
 `cache.update` and the attention function (projections, norms, RoPE and MLP excluded); the ops outside
 the decoder layers (embedding, masks, final norm, LM head, argmax) are reported per step.
