@@ -41,6 +41,7 @@ from fc_hf.compat import cache_kwargs
 from fc_hf.config import FlexiCacheConfig
 
 from .shared_prefill import load_prefill
+from .sources import read_jsonl
 
 __all__ = ["CONFIDENT", "Case", "StepRecorder", "step_margins", "dense_reference", "compare_case", "cases_for",
            "run_misses", "misses_markdown"]
@@ -137,10 +138,17 @@ def _pages_mask(pages: list[torch.Tensor], length: int, page_size: int) -> torch
     return mask[:, :length]
 
 
-def page_mass(q: torch.Tensor, k: torch.Tensor, scaling: float, page_size: int) -> torch.Tensor:
-    """True attention mass of every page, mean over the GQA group: `q [H, G, D]`, `k [H, L, D]` -> `[H, Np]`."""
+def exact_logits(q: torch.Tensor, k: torch.Tensor, scaling: float) -> torch.Tensor:
+    """Scaled fp32 logits of every key: `q [H, G, D]`, `k [H, L, D]` -> `[H, G, L]`."""
+    return torch.einsum("hgd,hld->hgl", q.float(), k.float()) * scaling
+
+
+def page_mass(q: torch.Tensor, k: torch.Tensor, scaling: float, page_size: int,
+              logits: torch.Tensor | None = None) -> torch.Tensor:
+    """True attention mass of every page, mean over the GQA group: `q [H, G, D]`, `k [H, L, D]` -> `[H, Np]`
+    (`logits`: their `exact_logits`, when the caller has them already)."""
     h, length = k.shape[0], k.shape[1]
-    probs = torch.softmax(torch.einsum("hgd,hld->hgl", q.float(), k.float()) * scaling, dim=-1).mean(1)
+    probs = torch.softmax(exact_logits(q, k, scaling) if logits is None else logits, dim=-1).mean(1)
     pages = -(-length // page_size)
     return torch.nn.functional.pad(probs, (0, pages * page_size - length)).view(h, pages, page_size).sum(-1)
 
@@ -185,7 +193,7 @@ class SelectAttention:
         scaling = scaling if scaling is not None else module.scaling
         q = query[0, :, -1].view(h, hq // h, d)
         mask = self.choose(module.layer_idx, q, key[0], value[0], scaling)
-        logits = torch.einsum("hgd,hld->hgl", q.float(), key[0].float()) * scaling
+        logits = exact_logits(q, key[0], scaling)
         if mask is not None:
             logits = logits.masked_fill(~mask[:, None], -math.inf)
         out = torch.einsum("hgl,hld->hgd", torch.softmax(logits, -1), value[0].float()).to(query.dtype)
@@ -231,6 +239,15 @@ class StepReplay:
             self.model.set_attn_implementation(previous)
         return torch.log_softmax(out.logits[0, -1].float(), dim=-1)
 
+    def layer_step(self, i: int, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]:
+        """Step `i`'s recorded query `[H, G, D]` at `layer`, the K/V `[H, L, D]` it attended (its own token's
+        included) and the layer's scaling."""
+        length = self.prompt_len + i + 1
+        k_all, v_all = self.kv[layer]
+        k, v = k_all[0, :, :length], v_all[0, :, :length]
+        q = self.recorder.steps[i][layer]["query"].view(k.shape[0], -1, k.shape[-1])
+        return q, k, v, self.model.model.layers[layer].self_attn.scaling
+
     # policies: choose(layer, q, k, v, scaling) -> [H, L] mask or None
     def actual(self, i: int) -> Callable:
         rec = self.recorder.steps[i]
@@ -267,12 +284,9 @@ def head_losses(replay: StepReplay, i: int) -> list[dict]:
     """Per (layer, KV head) at step `i`, with the step's own queries (recorded) over its keys: the mass its pages
     captured, the oracle's and a fresh ranking's, and the lost mass by cause (module docstring)."""
     cfg, rec = replay.cfg, replay.recorder.steps[i]
-    length = replay.prompt_len + i + 1
     rows = []
-    for layer, (k_all, v_all) in replay.kv.items():
-        k, v = k_all[0, :, :length], v_all[0, :, :length]
-        q = rec[layer]["query"].view(k.shape[0], -1, k.shape[-1])
-        scaling = replay.model.model.layers[layer].self_attn.scaling
+    for layer in replay.kv:
+        q, k, v, scaling = replay.layer_step(i, layer)
         mass = page_mass(q, k, scaling, cfg.page_size)
         oracle = oracle_pages(mass, cfg.pages_per_head, cfg.sink_pages)
         fresh, cand = fresh_selection(cfg, q, k, v, scaling)
@@ -412,6 +426,19 @@ def _ruler_case(source, rest, tokenizer, model_folder) -> Case:
 
 
 # -- one case ----------------------------------------------------------------------------------------------------------
+def case_reference(model, reuse, model_name: str, case: Case, profile_arg: str | None = None):
+    """`(prefill, target, dense log-probs, profile, note)` of one case: its prompt's dense prefill (`reuse`, a
+    `PrefixReuse`: a document's questions share it), dense's answer (`dense_reference`) and the profile the case's own
+    evaluation runs with (made without its task's material; the demo's: bundled)."""
+    from .profile_choice import resolve_profile
+
+    prefill = reuse(case.prompt_ids)
+    target, dense = dense_reference(model, prefill, case)
+    profile, note = resolve_profile(model_name, model.config, case.meta.get("task", case.name), profile_arg)
+    return prefill, target, dense, profile, note
+
+
+
 @torch.inference_mode()
 def dense_reference(model, prefill, case: Case) -> tuple[list[int], torch.Tensor]:
     """`(target, log-probs [S, V])`: the case's forced tokens (dense's greedy answer when it has none) and dense's
@@ -484,7 +511,6 @@ def run_misses(model_name: str, sources: Sequence[str], out: str | Path, variant
     default, or "dense-<dtype>": dense decoding in that dtype (the noise floor's partings)."""
     from .loading import load_model
     from .methods import prepare_model
-    from .profile_choice import resolve_profile
     from .shared_prefill import PrefixReuse
 
     model, tok, folder = load_model(model_name, dtype)
@@ -495,15 +521,12 @@ def run_misses(model_name: str, sources: Sequence[str], out: str | Path, variant
     log(f"misses: {model_name}, budget {budget}, variants {[variant_name(v) for v in variants]}")
     path = Path(out)
     path.parent.mkdir(parents=True, exist_ok=True)
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    rows = read_jsonl(path) if path.exists() else []
     done = {(r["case"], r["variant"]) for r in rows}
     todo = [s for s in sources if any((s, variant_name(v)) not in done for v in variants)]
     for case in cases_for(todo, tok, folder, leval_data=leval_data, prompt_tokens=prompt_tokens, new_tokens=new_tokens,
                           model=model):
-        prefill = reuse[None](case.prompt_ids)  # a document's questions share its prefill
-        target, dense = dense_reference(model, prefill, case)
-        # The profile the case's own evaluation runs with (made without its task's material; the demo's: bundled).
-        profile, note = resolve_profile(model_name, model.config, case.meta.get("task", case.name), profile_arg)
+        prefill, target, dense, profile, note = case_reference(model, reuse[None], model_name, case, profile_arg)
         for variant in variants:
             name = variant_name(variant)
             if (case.name, name) in done:

@@ -28,7 +28,8 @@ import torch
 
 from fc_hf.config import FlexiCacheConfig
 
-from .misses import StepReplay, cases_for, dense_reference, flexicache_forced, fresh_selection, page_mass
+from .misses import StepReplay, case_reference, cases_for, exact_logits, flexicache_forced, fresh_selection, page_mass
+from .sources import read_jsonl
 
 BIG = 0.2  # a stale loss this large is what a trigger must catch
 SIGNALS = {"cos": -1, "lse_drop": 1, "since": 1}  # sign: larger = more likely stale
@@ -40,16 +41,14 @@ def stale_rows(model, cache, case_name: str, prompt_len: int, forced, recorder, 
     last, rows = {}, []
     for i, rec in enumerate(recorder.steps):
         length = prompt_len + i + 1
-        for layer, (k_all, v_all) in replay.kv.items():
+        for layer in replay.kv:
             r = rec[layer]
-            heads = [h for h in range(k_all.shape[1]) if r["kinds"][h] == "stable"]
+            heads = sorted(h for h, kind in r["kinds"].items() if kind == "stable")
             if not heads:
                 continue
-            k, v = k_all[0, :, :length], v_all[0, :, :length]
-            q = r["query"].view(k.shape[0], -1, k.shape[-1])
-            scaling = model.model.layers[layer].self_attn.scaling
-            mass = page_mass(q, k, scaling, cfg.page_size)
-            logits = torch.einsum("hgd,hld->hgl", q.float(), k.float()) * scaling
+            q, k, v, scaling = replay.layer_step(i, layer)
+            logits = exact_logits(q, k, scaling)
+            mass = page_mass(q, k, scaling, cfg.page_size, logits)
             fresh = None if all(r["ranked"][h] for h in heads) else fresh_selection(cfg, q, k, v, scaling)[0]
             for h in heads:
                 pages = r["pages"][h]
@@ -73,7 +72,6 @@ def run_stale(model_name: str, sources: Sequence[str], out: str | Path, options:
 
     from .loading import load_model
     from .methods import prepare_model
-    from .profile_choice import resolve_profile
     from .shared_prefill import PrefixReuse
 
     model, tok, folder = load_model(model_name, "float32")
@@ -82,12 +80,10 @@ def run_stale(model_name: str, sources: Sequence[str], out: str | Path, options:
     cfg = FlexiCacheConfig(**{"token_budget": budget, **options})
     path = Path(out)
     path.parent.mkdir(parents=True, exist_ok=True)
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    rows = read_jsonl(path) if path.exists() else []
     done = {r["case"] for r in rows}
     for case in cases_for([s for s in sources if s not in done], tok, folder, leval_data=leval_data, model=model):
-        prefill = reuse(case.prompt_ids)
-        target, _ = dense_reference(model, prefill, case)
-        profile, _ = resolve_profile(model_name, model.config, case.meta.get("task", case.name), None)
+        prefill, target, _, profile, _ = case_reference(model, reuse, model_name, case)
         cache = FlexiCache(model.config, cfg, profile)
         _, recorder = flexicache_forced(model, prefill, cache, target[:-1])
         new = stale_rows(model, cache, case.name, len(case.prompt_ids), target[:-1], recorder, cfg)

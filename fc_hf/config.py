@@ -21,7 +21,7 @@ class FlexiCacheConfig:
             (K = token_budget // page_size pages, the page being filled included).
         rerank_interval (`int`, *optional*, defaults to 8): stable heads are re-ranked at the first
             decode step and whenever `step % rerank_interval == 0` (the authors use 16; 8 removes the stale misses
-            measured in docs/eval/misses.md at 1.06-1.07x the bytes).
+            measured in docs/eval/misses.md at 1.06-1.08x the bytes).
         unstable_fraction (`float`, *optional*, defaults to 0.25): share of KV heads `profile="auto"` marks unstable
             (a given profile's set is used as is).
         offload (`bool`, *optional*, defaults to True): keep only the top-K pages of stable heads on the
