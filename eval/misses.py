@@ -438,7 +438,6 @@ def case_reference(model, reuse, model_name: str, case: Case, profile_arg: str |
     return prefill, target, dense, profile, note
 
 
-
 @torch.inference_mode()
 def dense_reference(model, prefill, case: Case) -> tuple[list[int], torch.Tensor]:
     """`(target, log-probs [S, V])`: the case's forced tokens (dense's greedy answer when it has none) and dense's

@@ -40,7 +40,6 @@ def stale_rows(model, cache, case_name: str, prompt_len: int, forced, recorder, 
     replay = StepReplay(model, cache, prompt_len, forced, recorder)
     last, rows = {}, []
     for i, rec in enumerate(recorder.steps):
-        length = prompt_len + i + 1
         for layer in replay.kv:
             r = rec[layer]
             heads = sorted(h for h, kind in r["kinds"].items() if kind == "stable")
@@ -53,7 +52,7 @@ def stale_rows(model, cache, case_name: str, prompt_len: int, forced, recorder, 
             for h in heads:
                 pages = r["pages"][h]
                 tokens = (pages[:, None] * cfg.page_size + torch.arange(cfg.page_size)).flatten()
-                lse = torch.logsumexp(logits[h][:, tokens[tokens < length]], -1)
+                lse = torch.logsumexp(logits[h][:, tokens[tokens < k.shape[1]]], -1)
                 if r["ranked"][h]:
                     last[(layer, h)] = (q[h].clone(), lse, i)
                     continue
