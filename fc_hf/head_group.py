@@ -226,25 +226,25 @@ class HeadGroup:
 
     def _move_tiers(self, new_sel: torch.Tensor, pages_at_rank: int) -> None:
         store = self.store
-        promoted = move_tiers(store, self._resident_pages(), new_sel)
+        headroom = compaction_headroom(store, self.interval)
+        if pages_at_rank == store.num_pages and kernels.backend_for(store.k_pool, self.cfg.backend) == "torch":
+            # The PyTorch attention reads the pages in place until the next ranking (no gather per step): the pages are
+            # laid out row by row, the promoted ones straight from the host; the layout is also the compaction (a
+            # pool of the resident pages plus the headroom).
+            promoted = store.lay_out(new_sel, self._resident_pages(), headroom // store.rows)
+        else:
+            promoted = move_tiers(store, self._resident_pages(), new_sel)
+            if not self.compacted:  # after the first drop, give the freed device memory back
+                store.pool.compact(headroom)
+        self.compacted = True
         if not self._after_append:  # the first ranking after a prompt or a turn fills the device from the sink
             self.promoted_fractions.append(promoted / max(1, new_sel.numel()))
         self._after_append = False
-        headroom = compaction_headroom(store, self.interval)
-        if pages_at_rank == store.num_pages and kernels.backend_for(store.k_pool, self.cfg.backend) == "torch":
-            # The PyTorch attention reads the pages in place until the next ranking (no gather per step); the
-            # layout is also the compaction (a pool of the resident pages plus the headroom).
-            store.pool.arrange_rows(new_sel, headroom // store.rows)
-            self.compacted = True
-        elif not self.compacted:
-            # After the first drop, give the freed device memory back.
-            store.pool.compact(headroom)
-            self.compacted = True
 
     # -- attention -------------------------------------------------------------------------------
     def _where(self, pages: torch.Tensor, triton: bool, check: bool):
         """How the attention finds `pages` `[N, M]`: `(row_kv, slots)`. On the PyTorch path a tiered group reads them in
-        place between rankings (`row_kv`, views of the pools: `PagedKV.arrange_rows`); on Triton the kernel looks their
+        place between rankings (`row_kv`, views of the pools: `PagedKV.lay_out`); on Triton the kernel looks their
         slots up in the block table. Otherwise, or to check residency, `slots` (None when not needed)."""
         row_kv = None if triton or self.sel is None else self.store.row_view(self.sel, pages.shape[1])
         slots = None if (triton or row_kv is not None) and not check else self._slots_for(pages)

@@ -22,10 +22,11 @@ import torch
 
 from . import kernels
 from .host_tier import HostMark, HostTier
+from .errors import FlexiCacheError
 from .ledger import DeviceLedger
 from .minmax import MinMaxCache
 from .slot_pool import PoolMark, SlotPool, gather_pages
-from .transfer import PageTransfers
+from .transfer import PageTransfers, host_work, to_device, to_host
 
 __all__ = ["PagedKV", "StoreMark", "gather_pages"]
 
@@ -228,10 +229,29 @@ class PagedKV:
         """Keys of logical pages `[N, C]` -> `[N, C, P, D]` (device where resident, else host) for refinement; tokens
         past the length are whatever the slot holds (mask by position). With `workspace`: its "candidate_keys"."""
         self.transfers.wait_promotions()
+        if self.tiered and self.transfers.streams is None and self.device.type == "cpu" and self.host.pages:
+            return self._keys_from_host(pages, workspace)
         slots = self.table.gather(1, pages)
         keys = gather_pages(self.k_pool, slots, workspace, "candidate_keys")
         if self.tiered:
             self.host.fill(pages, slots, (keys,))
+        return keys
+
+    def _keys_from_host(self, pages: torch.Tensor, workspace=None) -> torch.Tensor:
+        """`page_keys` where the host tier is the device's own memory (a CPU): every full page is read from the host
+        tier, which holds them all, in one gather (not the resident ones from their slots and the rest written over
+        them); the page being filled, which has no host copy, from its slot."""
+        full, rows = self.host.pages, self.rows
+        row = torch.arange(rows, device=self.device)[:, None]
+        host_keys = self.host.host_k.view(-1, self.page_size, self.head_dim)  # page-major: page * rows + row
+        keys = gather_pages(host_keys, pages.clamp(max=full - 1) * rows + row, workspace, "candidate_keys")
+        (host_pages,) = to_host(pages)  # a no-op here; it keeps the index work counted as host work
+        with host_work:
+            r, c = (host_pages >= full).nonzero(as_tuple=True)
+        if r.numel():
+            slots = self.table[r, pages[r, c]]
+            keys.view(-1, self.page_size, self.head_dim).index_copy_(0, r * pages.shape[1] + c,
+                                                                     self.k_pool.index_select(0, slots))
         return keys
 
     def dense(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -287,6 +307,42 @@ class PagedKV:
         return self.host.start_read_back(self.full_pages) if self.tiered else 0
 
     # -- tier moves ------------------------------------------------------------------------------
+    def lay_out(self, pages: torch.Tensor, resident: torch.Tensor, headroom: int) -> int:
+        """A tiered store's tier move on the PyTorch path: `pages [N, M]` (a ranking's) become the resident pages,
+        laid out row by row (`SlotPool.arrange_rows`); the others among `resident [N, R]` (those resident now) drop
+        out. Each page is copied once into its new slot, from its old slot (read out first: slots are reused) where
+        resident, else straight from the host tier. `headroom`: free slots per row. Returns the pages promoted."""
+        pool = self.pool
+        self.transfers.wait_promotions()  # a pending promotion's pages are read below
+        self.transfers.wait_offloads()  # the slots are rewritten: every offload must have read its page
+        n, m = pages.shape
+        width = m + headroom
+        slots = pool.slots_for(pages)
+        host_pages, host_slots = to_host(pages, slots)  # the plan: one host sync on CUDA
+        with host_work:
+            kept = host_slots != 0
+            k_rows, k_cols = kept.nonzero(as_tuple=True)
+            p_rows, p_cols = (~kept).nonzero(as_tuple=True)
+            p_pages = host_pages[p_rows, p_cols]
+            if p_pages.numel() and int(p_pages.max()) >= self.host.pages:
+                raise FlexiCacheError("a selected page is neither on the device nor on the host; this is a FlexiCache "
+                                      "bug (please report it with your FlexiCacheConfig).")
+            k_src, k_dst = host_slots[k_rows, k_cols], 1 + k_rows * width + k_cols
+            p_dst = 1 + p_rows * width + p_cols
+        k_src, k_dst = to_device(k_src, self.device), to_device(k_dst, self.device)
+        kept_k, kept_v = self.k_pool.index_select(0, k_src), self.v_pool.index_select(0, k_src)  # copies
+        pool.unshare()  # the pools and the table are rewritten in place
+        pool.table.scatter_(1, resident, 0)
+        pool.arrange_rows(pages, headroom)
+        self.k_pool.index_copy_(0, k_dst, kept_k)
+        self.v_pool.index_copy_(0, k_dst, kept_v)
+        promoted = p_pages.numel()
+        if promoted:
+            self.host.promote(self.k_pool, self.v_pool, p_rows, p_pages, to_device(p_dst, self.device))
+        self.counters["pages_promoted"] += promoted
+        self.counters["bytes_promoted"] += promoted * self.page_bytes
+        return promoted
+
     def promote(self, rows: torch.Tensor, pages: torch.Tensor, slots: torch.Tensor) -> None:
         """Copy host pages (row, page) into device slots `slots` (evicted slots being reused); the caller owns the table.
 

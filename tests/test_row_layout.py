@@ -1,8 +1,9 @@
-"""A tiered group's pages laid out row by row (`SlotPool.arrange_rows`), read in place by the PyTorch attention.
+"""A tiered group's pages laid out row by row (`PagedKV.lay_out`), read in place by the PyTorch attention.
 
 - the views `row_view` gives hold exactly what gathering the pages' slots gives, also for the pages opened after
   the arrangement, and the layout is dropped (None: gather again) as soon as a slot moves in a way it did not plan;
 - nothing is lost: the store's dense K/V equal those of a store that never arranged;
+- laying a ranking out straight from the host gives what promoting it into evicted slots and then arranging gave;
 - in a cache, generation gives bit for bit what it gives when every step gathers and what a store that never
   arranges gives, and the stable groups do read in place;
 - the residency check still stops a step whose selected page is not on the device;
@@ -41,6 +42,11 @@ def _ranked(store, g, keep=4):
     return sel
 
 
+def _arrange(store, sel, headroom):
+    """Lay out a selection that is resident already (after `_ranked`'s tier move): nothing is promoted."""
+    assert store.lay_out(sel, sel, headroom) == 0
+
+
 def _gathered(store, pages):
     slots = store.slots_for(pages)
     n, m = pages.shape
@@ -52,7 +58,7 @@ def test_row_view_is_what_a_gather_reads():
     plain, _ = _tiered_store()  # the same tokens, never arranged
     sel = _ranked(store, g)
     assert store.row_view(sel, sel.shape[1]) is None  # a tier move is not an arrangement
-    store.pool.arrange_rows(sel, headroom=2)
+    _arrange(store, sel, 2)
     assert store.slots_in_use() == store.rows * sel.shape[1]
     opened = 0
     for i in range(3 * P):
@@ -76,17 +82,35 @@ def test_row_view_is_what_a_gather_reads():
         assert torch.equal(a, b)
 
 
+def test_laying_out_from_the_host_is_promoting_then_arranging():
+    a, g = _tiered_store(3)
+    b, gb = _tiered_store(3)
+    sel = _ranked(a, g)
+    assert torch.equal(_ranked(b, gb), sel)  # the same tier move: most pages are on the host only
+    n, last = a.rows, a.num_pages - 1
+    new = torch.stack([torch.randperm(last, generator=g)[:4] for _ in range(n)])
+    new = torch.cat([new, torch.full((n, 1), last)], 1)
+    promoted = move_tiers(a, sel, new)  # promoted into evicted slots (and new ones), then arranged
+    _arrange(a, new, 2)
+    assert b.lay_out(new, sel, 2) == promoted > 0  # read straight from the host into the layout
+    assert a.counters == b.counters
+    assert torch.equal(a.table, b.table) and torch.equal(a.k_pool, b.k_pool) and torch.equal(a.v_pool, b.v_pool)
+    assert torch.equal(a.pool.free[: a.pool.n_free], b.pool.free[: b.pool.n_free])
+    for x, y in zip(a.dense(), b.dense()):
+        assert torch.equal(x, y)
+
+
 def test_a_slot_move_it_did_not_plan_drops_the_layout():
     store, g = _tiered_store(1)
     sel = _ranked(store, g)
-    store.pool.arrange_rows(sel, headroom=2)
+    _arrange(store, sel, 2)
     assert store.row_view(sel, sel.shape[1]) is not None
     store.pool.release(torch.tensor([], dtype=torch.long))  # nothing released: the layout stays
     assert store.pool.row_layout is not None
     store.pool.compact(0)
     assert store.row_view(sel, sel.shape[1]) is None
     # Arranged again, then a beam reshuffle (rows duplicated) moves every slot.
-    store.pool.arrange_rows(sel, headroom=1)
+    _arrange(store, sel, 1)
     assert store.row_view(sel, sel.shape[1]) is not None
     store.select_rows(torch.tensor([1, 1]))
     assert store.pool.row_layout is None
@@ -123,7 +147,12 @@ def test_generation_reading_in_place_is_bit_identical(monkeypatch, promotion):
         gathered, _ = _generate(model, profile, ids, mask, promotion=promotion)
     assert torch.equal(in_place, gathered)
     # And what a store that never arranges gives (compaction alone, as before the layout existed).
-    monkeypatch.setattr(SlotPool, "arrange_rows", lambda self, pages, headroom: self.compact(headroom * self.rows))
+    def never(self, pages, resident, headroom):
+        promoted = move_tiers(self, resident, pages)
+        self.pool.compact(headroom * self.rows)
+        return promoted
+
+    monkeypatch.setattr(PagedKV, "lay_out", never)
     with torch.no_grad():
         never, _ = _generate(model, profile, ids, mask, promotion=promotion)
     assert torch.equal(in_place, never)
@@ -158,7 +187,7 @@ def test_candidate_keys_come_from_the_host_where_not_resident():
     everything = torch.arange(store.num_pages).expand(store.rows, -1).flip(1)  # most pages now host-only
     for arranged in (False, True):
         if arranged:
-            store.pool.arrange_rows(sel, headroom=2)
+            _arrange(store, sel, 2)
         got = store.page_keys(everything)
         valid = store.length - (store.num_pages - 1) * P  # the page being filled holds this many tokens
         assert torch.equal(got[:, 1:], want.flip(1)[:, 1:])
