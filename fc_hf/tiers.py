@@ -3,7 +3,9 @@
 After a ranking, the pages that stay keep their device slot, each newly selected page is copied
 host -> device into the slot of a page that dropped out (no allocator churn), and slots left over
 are freed. The first drop also shrinks the device pool (`SlotPool.compact`), so the memory saved is
-given back. Which pages are chosen is `selection.py`'s business.
+given back. Which pages are chosen is `selection.py`'s business. On the PyTorch path, which reads
+a group's pages in place, the tier move is `PagedKV.lay_out` instead: each selected page is copied
+once, into its row's layout.
 """
 
 from __future__ import annotations
