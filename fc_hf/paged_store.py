@@ -21,8 +21,8 @@ from dataclasses import dataclass
 import torch
 
 from . import kernels
-from .host_tier import HostMark, HostTier
 from .errors import FlexiCacheError
+from .host_tier import HostMark, HostTier
 from .ledger import DeviceLedger
 from .minmax import MinMaxCache
 from .slot_pool import PoolMark, SlotPool, gather_pages

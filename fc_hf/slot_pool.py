@@ -198,13 +198,13 @@ class SlotPool:
         self.repack(self.table[row_map], spare)
 
     # -- pages read in place ----------------------------------------------------------------------------
-    def arrange_rows(self, pages: torch.Tensor, headroom: int) -> int:
+    def arrange_rows(self, pages: torch.Tensor, headroom: int) -> None:
         """Make `pages [N, M]` (each row's, each once) the only resident pages, laid out row by row: `pages[r, j]` takes
         slot `1 + r * (M + headroom) + j`, and the free stack becomes each row's next positions, so the pages opened
         until the next ranking continue the rows. While that holds (`row_layout`; any other slot move clears it)
-        `row_view` gives their K/V as views of the pools: one copy per ranking, no gather per step. Returns the row
-        width `M + headroom`. The caller (`PagedKV.lay_out`) has read the pages' K/V before and writes them into
-        their slots after; it has cleared the table entries of the pages resident before."""
+        `row_view` gives their K/V as views of the pools: one copy per ranking, no gather per step. The caller
+        (`PagedKV.lay_out`) has read the pages' K/V before and writes them into their slots after; it has cleared the
+        table entries of the pages resident before."""
         n, m = pages.shape
         width = m + headroom
         need = 1 + n * width
@@ -218,7 +218,6 @@ class SlotPool:
         self.free = (base.view(1, n) + torch.arange(width - 1, m - 1, -1, device=self.device)[:, None]).reshape(-1)
         self.n_free = self.free.numel()
         self.row_layout = {"pages": pages, "width": width, "used": m}
-        return width
 
     def row_view(self, arranged: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """`(keys [N, m*P, D], values [N, m*P, Dv])` as views of the pools: the pages `arranged` (the tensor given to

@@ -100,6 +100,18 @@ def test_laying_out_from_the_host_is_promoting_then_arranging():
         assert torch.equal(x, y)
 
 
+def test_a_page_on_neither_tier_is_refused_before_anything_moves():
+    store, g = _tiered_store(4)
+    sel = _ranked(store, g)
+    last = store.num_pages - 1  # the page being filled: never on the host
+    store.table[0, last] = 0  # and now not on the device either (the bug the check exists for)
+    store.pool.table_changed()
+    table, k_pool = store.table.clone(), store.k_pool.clone()
+    with pytest.raises(FlexiCacheError, match="neither on the device nor on the host"):
+        store.lay_out(sel, sel, 2)
+    assert torch.equal(store.table, table) and torch.equal(store.k_pool, k_pool)
+
+
 def test_a_slot_move_it_did_not_plan_drops_the_layout():
     store, g = _tiered_store(1)
     sel = _ranked(store, g)
