@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .slot_pool import gather_pages
 from .transfer import host_work, to_device, to_host
 
 
@@ -79,6 +80,14 @@ class HostTier:
             # the device does not make the host wait.
             found = self.transfers.fetch(host.view(-1, *host.shape[2:]), host_rows)
             out.view(-1, *out.shape[2:]).index_copy_(0, dst, found)
+
+    def full_page_keys(self, pages: torch.Tensor, workspace=None) -> torch.Tensor:
+        """Keys `[N, C, P, D]` of `pages [N, C]` read from this tier in one gather, where the host tier is the device's
+        own memory (a CPU: no transfers); a page past the full ones (the page being filled) reads the last full page's
+        keys, for the caller to overwrite. With `workspace`: its "candidate_keys" buffer."""
+        row = torch.arange(self.rows, device=pages.device)[:, None]
+        flat = self.host_k.view(-1, self.page_size, self.head_dim)  # page-major: page * rows + row
+        return gather_pages(flat, pages.clamp(max=self.pages - 1) * self.rows + row, workspace, "candidate_keys")
 
     def promote(self, k_pool, v_pool, rows: torch.Tensor, pages: torch.Tensor, slots: torch.Tensor) -> None:
         """Copy host pages (row, page) into device slots `slots` of the pools. `rows`, `pages` `[C]` are host tensors

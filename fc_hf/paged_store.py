@@ -241,13 +241,10 @@ class PagedKV:
         """`page_keys` where the host tier is the device's own memory (a CPU): every full page is read from the host
         tier, which holds them all, in one gather (not the resident ones from their slots and the rest written over
         them); the page being filled, which has no host copy, from its slot."""
-        full, rows = self.host.pages, self.rows
-        row = torch.arange(rows, device=self.device)[:, None]
-        host_keys = self.host.host_k.view(-1, self.page_size, self.head_dim)  # page-major: page * rows + row
-        keys = gather_pages(host_keys, pages.clamp(max=full - 1) * rows + row, workspace, "candidate_keys")
+        keys = self.host.full_page_keys(pages, workspace)
         (host_pages,) = to_host(pages)  # a no-op here; it keeps the index work counted as host work
         with host_work:
-            r, c = (host_pages >= full).nonzero(as_tuple=True)
+            r, c = (host_pages >= self.host.pages).nonzero(as_tuple=True)
         if r.numel():
             slots = self.table[r, pages[r, c]]
             keys.view(-1, self.page_size, self.head_dim).index_copy_(0, r * pages.shape[1] + c,
@@ -315,8 +312,7 @@ class PagedKV:
         pool = self.pool
         self.transfers.wait_promotions()  # a pending promotion's pages are read below
         self.transfers.wait_offloads()  # the slots are rewritten: every offload must have read its page
-        n, m = pages.shape
-        width = m + headroom
+        m = pages.shape[1]
         slots = pool.slots_for(pages)
         host_pages, host_slots = to_host(pages, slots)  # the plan: one host sync on CUDA
         with host_work:
@@ -327,18 +323,20 @@ class PagedKV:
             if p_pages.numel() and int(p_pages.max()) >= self.host.pages:
                 raise FlexiCacheError("a selected page is neither on the device nor on the host; this is a FlexiCache "
                                       "bug (please report it with your FlexiCacheConfig).")
-            k_src, k_dst = host_slots[k_rows, k_cols], 1 + k_rows * width + k_cols
-            p_dst = 1 + p_rows * width + p_cols
-        k_src, k_dst = to_device(k_src, self.device), to_device(k_dst, self.device)
+            k_src, k_at, p_at = host_slots[k_rows, k_cols], k_rows * m + k_cols, p_rows * m + p_cols
+        k_src = to_device(k_src, self.device)
         kept_k, kept_v = self.k_pool.index_select(0, k_src), self.v_pool.index_select(0, k_src)  # copies
         pool.unshare()  # the pools and the table are rewritten in place
         pool.table.scatter_(1, resident, 0)
         pool.arrange_rows(pages, headroom)
+        new_slots = pool.slots_for(pages).view(-1)  # each page's layout position, as `arrange_rows` wrote it
+        k_dst = new_slots.index_select(0, to_device(k_at, self.device))
         self.k_pool.index_copy_(0, k_dst, kept_k)
         self.v_pool.index_copy_(0, k_dst, kept_v)
         promoted = p_pages.numel()
         if promoted:
-            self.host.promote(self.k_pool, self.v_pool, p_rows, p_pages, to_device(p_dst, self.device))
+            p_dst = new_slots.index_select(0, to_device(p_at, self.device))
+            self.host.promote(self.k_pool, self.v_pool, p_rows, p_pages, p_dst)
         self.counters["pages_promoted"] += promoted
         self.counters["bytes_promoted"] += promoted * self.page_bytes
         return promoted

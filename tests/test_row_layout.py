@@ -159,12 +159,12 @@ def test_generation_reading_in_place_is_bit_identical(monkeypatch, promotion):
         gathered, _ = _generate(model, profile, ids, mask, promotion=promotion)
     assert torch.equal(in_place, gathered)
     # And what a store that never arranges gives (compaction alone, as before the layout existed).
-    def never(self, pages, resident, headroom):
+    def promote_then_compact(self, pages, resident, headroom):
         promoted = move_tiers(self, resident, pages)
         self.pool.compact(headroom * self.rows)
         return promoted
 
-    monkeypatch.setattr(PagedKV, "lay_out", never)
+    monkeypatch.setattr(PagedKV, "lay_out", promote_then_compact)
     with torch.no_grad():
         never, _ = _generate(model, profile, ids, mask, promotion=promotion)
     assert torch.equal(in_place, never)
