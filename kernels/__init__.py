@@ -9,12 +9,47 @@ Installed as `fc_hf.kernels` (the repository folder is `kernels/`; see pyproject
 | `score.py`, `decode.py`, `refine.py`, `append.py` | Triton kernels: page scoring, flash-decoding over selected pages, the exact mass of refinement's candidate pages, the decode append |
 | `checks.py` | input checks and accepted dtypes shared by the Triton launchers |
 | `bruteforce.py` | literal-formula oracles for tests only (never called in production) |
+
+The folder shares its name with Hugging Face's `kernels` package, which transformers >= 5.25 imports with every model
+class. Installed, nothing of ours is a top-level `kernels`. In a checkout, wherever the repository root comes first on
+`sys.path` (`python -c`, `python -m pytest`, a notebook beside it), `import kernels` reaches this file under the name
+`kernels`: it then hands the name over to the next `kernels` package on `sys.path` (the installed one) and defines
+nothing itself. Only when no other `kernels` package exists does it stay (transformers then finds no version on it and
+treats `kernels` as not installed, as it would without this folder).
 """
 
-from .dispatch import append_token, backend_for, candidate_mass, force_sink_pages, promotion_plan, score_pages, select_topk, sparse_decode_attention
-from .torch_backend import GatherWorkspace
 
-__all__ = [
-    "GatherWorkspace", "append_token", "backend_for", "candidate_mass", "force_sink_pages", "promotion_plan", "score_pages", "select_topk",
-    "sparse_decode_attention",
-]
+def _installed_kernels():
+    """The next regular `kernels` package or module on `sys.path` after this checkout's root, or None."""
+    import importlib.machinery
+    import os
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    others = [p for p in sys.path if not (isinstance(p, str) and os.path.abspath(p or os.curdir) == root)]
+    spec = importlib.machinery.PathFinder.find_spec("kernels", others)
+    if spec is None or spec.origin in (None, "namespace") or spec.loader is None:
+        return None
+    return spec
+
+
+if __name__ == "kernels" and (_spec := _installed_kernels()) is not None:
+    import importlib.util
+    import sys
+
+    _module = importlib.util.module_from_spec(_spec)
+    sys.modules["kernels"] = _module  # the import statement returns what `sys.modules` holds once this file has run
+    try:
+        _spec.loader.exec_module(_module)
+    except BaseException:
+        del sys.modules["kernels"]
+        raise
+else:
+    from .dispatch import (append_token, backend_for, candidate_mass, force_sink_pages, promotion_plan, score_pages,
+                           select_topk, sparse_decode_attention)
+    from .torch_backend import GatherWorkspace
+
+    __all__ = [
+        "GatherWorkspace", "append_token", "backend_for", "candidate_mass", "force_sink_pages", "promotion_plan",
+        "score_pages", "select_topk", "sparse_decode_attention",
+    ]
