@@ -11,7 +11,7 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
-__all__ = ["cache_kwarg", "cache_kwargs"]
+__all__ = ["cache_kwarg", "cache_kwargs", "call_with_accepted"]
 
 
 def cache_kwarg(model) -> str:
@@ -24,3 +24,12 @@ def cache_kwargs(model, cache) -> dict[str, Any]:
     """`{cache_kwarg(model): cache}`, ready to splat into a call; empty for `cache=None` (the model then
     makes its own `DynamicCache`)."""
     return {} if cache is None else {cache_kwarg(model): cache}
+
+
+def call_with_accepted(fn, kwargs: dict[str, Any]):
+    """`fn(**kwargs)` with only the keywords `fn` accepts: transformers' layer hooks take more keywords in newer versions
+    (5.25's `activate_past_recording(recurrent_states_to_keep=...)`) than in older ones (none)."""
+    params = inspect.signature(fn).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return fn(**kwargs)
+    return fn(**{k: v for k, v in kwargs.items() if k in params})

@@ -44,28 +44,50 @@ def _generation_frame(name: str, depth: int):
     return None
 
 
-def in_prefill(depth: int = 24) -> bool:
+def in_prefill(depth: int = 48) -> bool:
     """Whether the caller runs inside `generate`'s prompt stage (`GenerationMixin._prefill`)."""
     return _generation_frame(PREFILL, depth) is not None
 
 
 def assisted_loop_prompt(depth: int = 6) -> torch.Tensor | None:
     """The prompt ids `[B, L]` of transformers' assisted loop when the caller runs in it, else None."""
+    return assisted_loop(depth)[0]
+
+
+def assisted_loop(depth: int = 6) -> tuple[torch.Tensor | None, str | None]:
+    """`(prompt ids [B, L], drafting mode)` of transformers' assisted loop when the caller runs in it, else `(None,
+    None)`. The mode is "mtp" or "dflash" for the drafters transformers 5.25 added (its generation config's `use_mtp`,
+    `speculation_type`), else "draft" (prompt lookup, an assistant model)."""
     frame = _generation_frame(LOOP, depth)
-    ids = None if frame is None else frame.f_locals.get("input_ids")
-    return ids if isinstance(ids, torch.Tensor) and ids.dim() == 2 and ids.shape[1] else None
+    if frame is None:
+        return None, None
+    ids = frame.f_locals.get("input_ids")
+    config = frame.f_locals.get("generation_config")
+    mode = "draft"
+    if getattr(config, "use_mtp", None):
+        mode = "mtp"
+    elif getattr(config, "speculation_type", None) == "dflash":
+        mode = "dflash"
+    return (ids if isinstance(ids, torch.Tensor) and ids.dim() == 2 and ids.shape[1] else None), mode
 
 
-def check_loop_start(prompt: torch.Tensor | None, held: int) -> None:
-    """Refuse what FlexiCache cannot verify exactly, before anything is written: an unknown prompt end, several
-    sequences (transformers refuses them too, a moment later) and a filled cache (the loop feeds the whole prompt again
-    in its first forward)."""
+def check_loop_start(prompt: torch.Tensor | None, held: int, mode: str | None = "draft") -> None:
+    """Refuse what FlexiCache cannot verify exactly, before anything is written: a drafting mode it was not checked
+    with (MTP, DFlash), an unknown prompt end, several sequences (transformers refuses them too, a moment later) and a
+    filled cache (the loop feeds the whole prompt again in its first forward)."""
+    if mode in ("mtp", "dflash"):
+        name = {"mtp": "multi-token prediction (use_mtp=True)", "dflash": 'DFlash drafting (speculation_type="dflash")'}
+        raise FlexiCacheError(
+            f"FlexiCache does not support {name[mode]} yet: its verification is checked against prompt lookup and "
+            "assistant-model drafts only (fc_hf/speculative.py). Use prompt_lookup_num_tokens=... or assistant_model=... "
+            "with a FlexiCache, or run this drafter with transformers' own cache (pass no cache). Nothing was written."
+        )
     if prompt is None:
         raise FlexiCacheError(
             "Past recording started on an empty FlexiCache outside transformers' assisted-decoding loop, or in a version "
             "whose loop FlexiCache cannot read (fc_hf/speculative.py): where the prompt ends and the draft tokens begin "
             "is unknown, and the drafts would attend densely instead of as decode steps. Prefill the prompt first, or "
-            "use a transformers version the tests cover (5.17-5.24). Nothing was written."
+            "use a transformers version the tests cover (5.17-5.25). Nothing was written."
         )
     if prompt.shape[0] > 1:
         raise FlexiCacheError(
