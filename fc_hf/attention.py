@@ -13,6 +13,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from .errors import FlexiCacheError
+from .grad_modes import storage_mode, stored_kv_output
 from .layer import DecodePlaceholder
 
 NAME = "flexicache"
@@ -37,21 +38,29 @@ def flexicache_attention_forward(
         layer = key.fc_layer
         prompt = layer.take_prompt_kv()
         if prompt is None:
-            return layer.attend(query, attention_mask, scaling, kwargs.get("softcap")), None
+            return _decode(layer, query, attention_mask, scaling, kwargs.get("softcap")), None
         # Speculative decoding's first forward: the prompt then the first candidates. The prompt's queries attend
         # densely over it, as its prefill would; the candidates' are decode steps.
         pk, pv = prompt
         n = query.shape[2] - (key.shape[2] - pk.shape[2])
         mask = attention_mask[:, :, :n, : pk.shape[2]] if isinstance(attention_mask, torch.Tensor) else attention_mask
         dense, _ = flexicache_attention_forward(module, query[:, :, :n], pk, pv, mask, dropout, scaling, **kwargs)
-        rest = layer.attend(query[:, :, n:], attention_mask, scaling, kwargs.get("softcap"))
+        rest = _decode(layer, query[:, :, n:], attention_mask, scaling, kwargs.get("softcap"))
         return torch.cat([dense, rest], dim=1), None
     observer = getattr(key, "fc_observe", None)  # profile="auto" with zero warm-up: trace the prompt's last queries
     if observer is not None:
-        observer.observe_prefill(query, attention_mask)
+        with storage_mode():
+            observer.observe_prefill(query, attention_mask)
     if kwargs.get("softcap") is not None:  # sdpa refuses logit soft-capping (Gemma2)
         return _dense_softcap_attention(module, query, key, value, attention_mask, scaling, kwargs["softcap"]), None
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+
+
+def _decode(layer, query: torch.Tensor, attention_mask, scaling: float, softcap) -> torch.Tensor:
+    """A FlexiCache layer's decode attention, computed without autograd over its stored pages (fc_hf/grad_modes.py)."""
+    with storage_mode():
+        out = layer.attend(query, attention_mask, scaling, softcap)
+    return stored_kv_output(out, query)
 
 
 def _dense_softcap_attention(module, query, key, value, attention_mask, scaling, softcap) -> torch.Tensor:

@@ -2,22 +2,27 @@
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 import os
 
 import torch
 from transformers.cache_utils import Cache, DynamicSlidingWindowLayer
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from . import reports
+from .compat import call_with_accepted
 from .config import FlexiCacheConfig
 from .errors import FlexiCacheError
+from .grad_modes import storage_mode, stored_kv_output
 from .kernels import GatherWorkspace
-from .layer import FlexiCacheLayer
+from .attention import NAME as ATTENTION_NAME
+from .layer import NO_COMPILE, NOT_FLEXICACHE, FlexiCacheLayer
 from .ledger import DeviceLedger
 from .online import OnlineClassifier, check_auto_config
 from .profile import HeadProfile, attention_shape
-from .speculative import assisted_loop_prompt, check_auto_profile, check_loop_start, in_prefill
+from .speculative import assisted_loop, check_auto_profile, check_loop_start, in_prefill
 
 logger = logging.getLogger("fc_hf")
 
@@ -131,23 +136,37 @@ class FlexiCache(Cache):
         if not self.flexi_layers:
             logger.warning("FlexiCache: this model has no full-attention layers; it behaves like DynamicCache.")
 
+    def __deepcopy__(self, memo):
+        """An independent cache (`copy.deepcopy` of a prefilled cache per question), its tensors copied without autograd
+        and outside inference mode, as the cache's own state always is (fc_hf/grad_modes.py)."""
+        new = self.__class__.__new__(self.__class__)
+        memo[id(self)] = new
+        with storage_mode():
+            new.__dict__.update({k: copy.deepcopy(v, memo) for k, v in self.__dict__.items()})
+        return new
+
     # -- transformers Cache API ------------------------------------------------------------------
     def update(self, key_states, value_states, layer_idx: int, cache_kwargs=None, *args, **kwargs):
+        if torch.compiler.is_compiling():  # fullgraph=True traces into here; a graph break would run the rest eagerly
+            raise FlexiCacheError(NO_COMPILE)
         if not self.layers:
             raise FlexiCacheError("This FlexiCache was released (cache.release()); create a new FlexiCache for this call.")
-        if layer_idx == 0:
-            self._check_use_cache(cache_kwargs, kwargs)
-        if layer_idx == self._first_flexi_idx:
-            # One token on a filled cache is a decode step, unless generate feeds it as a prompt (`in_prefill`).
-            self.prefilling = key_states.shape[2] == 1 and self.get_seq_length(layer_idx) > 0 and in_prefill()
-            if self.cache_config.max_device_pages is not None:
-                self._check_device_bound(key_states)
+        if layer_idx == 0:  # a forward starts: every refusal of FlexiCache's comes now, before any layer writes
+            self._start_forward(key_states, cache_kwargs, kwargs)
         layer = self.layers[layer_idx]
         if isinstance(layer, FlexiCacheLayer):
-            out = super().update(key_states, value_states, layer_idx)
-            if layer.length > key_states.shape[2] and not layer.pending:  # tokens on a filled cache: a read-back
-                self._start_read_back_after(layer_idx)
-            return out
+            with storage_mode():  # the pages record no autograd and are no inference tensors (fc_hf/grad_modes.py)
+                keys, values = super().update(key_states, value_states, layer_idx)
+                read_back = layer.length > key_states.shape[2] and not layer.pending  # tokens on a filled cache
+                if read_back:
+                    self._start_read_back_after(layer_idx)
+            if read_back:  # attention over stored K/V: no gradient flows back through them
+                observer = getattr(keys, "fc_observe", None)
+                keys = stored_kv_output(keys, key_states, value_states)
+                values = stored_kv_output(values, key_states, value_states)
+                if observer is not None:
+                    keys.fc_observe = observer
+            return keys, values
         held = _dense_bytes(layer)  # a dense or sliding-window layer: its K/V count towards the device bytes too
         out = super().update(key_states, value_states, layer_idx)
         self.ledger.resized(held, _dense_bytes(layer))
@@ -164,6 +183,56 @@ class FlexiCache(Cache):
                         self.ledger.transient(self.read_back_bytes + staged)
                 return
 
+    def _start_forward(self, key_states: torch.Tensor, cache_kwargs, kwargs) -> None:
+        """What a forward's first layer does before anything is written: refuse what FlexiCache cannot serve, and tell
+        a prompt from decode steps (one token on a filled cache is a decode step, unless generate feeds it as a prompt,
+        `in_prefill`)."""
+        self._check_layers_agree()
+        self._check_use_cache(cache_kwargs, kwargs)
+        first = self._first_flexi_idx
+        if first is None:
+            return
+        layer = self.layers[first]
+        t = key_states.shape[2]
+        self.prefilling = t == 1 and layer.length > 0 and in_prefill()
+        if layer.is_initialized:
+            layer.check_same_kind(key_states, device=False)  # layers may sit on different devices (device_map)
+        if layer.prompt_tokens(t) < t:
+            self._check_attention_function()
+        if self.cache_config.max_device_pages is not None:
+            self._check_device_bound(key_states)
+
+    def _check_attention_function(self) -> None:
+        """Decode steps need FlexiCache's attention function: refuse, before anything is written, a model whose config
+        names one of transformers' own ("eager", "sdpa", flash, flex, ...). A function registered under another name
+        may wrap FlexiCache's (an evaluation's recorder does); if it does not, the decode placeholder refuses."""
+        impl = getattr(self._model_text_config, "_attn_implementation", None)
+        if not isinstance(impl, str) or impl == ATTENTION_NAME:
+            return
+        function = ALL_ATTENTION_FUNCTIONS.get(impl) if impl in ALL_ATTENTION_FUNCTIONS else None
+        if impl == "eager" or getattr(function, "__module__", "").startswith("transformers."):
+            raise FlexiCacheError(NOT_FLEXICACHE.format(impl=impl) + " Nothing was written.")
+
+    def _check_layers_agree(self) -> None:
+        """At the start of a forward, refuse a cache whose layers hold different numbers of tokens: a forward that
+        raised part-way (after some layers had appended its tokens) left it so, and attending from it would either fail
+        deep inside attention or run with the layers a token apart."""
+        if torch.compiler.is_compiling():
+            return
+        lengths = [layer.get_seq_length() if getattr(layer, "is_initialized", False) else 0 for layer in self.layers]
+        if len(set(lengths)) > 1:
+            runs, start = [], 0
+            for i in range(1, len(lengths) + 1):
+                if i == len(lengths) or lengths[i] != lengths[start]:
+                    runs.append(f"layer {start}: {lengths[start]}" if i - start == 1
+                                else f"layers {start}-{i - 1}: {lengths[start]}")
+                    start = i
+            raise FlexiCacheError(
+                f"This FlexiCache's layers hold different numbers of tokens ({'; '.join(runs)}): an earlier forward "
+                "raised after some layers had stored its tokens. The cache cannot continue from there; build a new "
+                "FlexiCache (or a copy taken before that forward) and run the forward again. Nothing was written."
+            )
+
     def _check_use_cache(self, cache_kwargs, kwargs) -> None:
         """Refuse a forward run with `use_cache=False` on a filled cache (generate re-feeds the whole sequence then,
         which would be stored twice), before any layer writes. transformers 5.24 hands the layer's kwargs over."""
@@ -179,17 +248,33 @@ class FlexiCache(Cache):
             )
 
     # -- speculative decoding (`fc_hf/speculative.py`) ---------------------------------------------
-    def activate_past_recording(self) -> None:
+    def activate_past_recording(self, recurrent_states_to_keep: int | None = None, **kwargs) -> None:
         """Keep what `crop(-n)` needs to take decode tokens back exactly; transformers' assisted decoding and prompt
         lookup call this before their loop. Until recording ends, every token after the prompt is a decode step,
-        however many a forward brings."""
+        however many a forward brings.
+
+        `recurrent_states_to_keep` (transformers >= 5.25) is how many steps of recurrent state a linear-attention layer
+        keeps for `crop`. FlexiCache's layers are attention layers: like transformers' own they hold no recurrent state
+        (`get_recurrent_states_to_keep` is 0 for them) and mark every decode token, so any number of drafts can be taken
+        back; the value is passed on to the other layers (sliding-window ones) as 5.25 does."""
         check_auto_profile(self.auto)
         held = self.get_seq_length(self._first_flexi_idx or 0)
-        prompt = assisted_loop_prompt()
-        if prompt is not None or not held:  # in the loop, or a start on an empty cache (only the loop does that)
-            check_loop_start(prompt, held)
+        prompt, mode = assisted_loop()
+        if prompt is not None or mode is not None or not held:  # in the loop, or a start on an empty cache
+            check_loop_start(prompt, held, mode)
             self.prompt_end = prompt.shape[1]
-        super().activate_past_recording()  # sliding-window layers keep their states until `crop`; ours mark
+        extra = dict(kwargs, recurrent_states_to_keep=recurrent_states_to_keep)
+        for layer in self.layers:  # sliding-window layers keep their states until `crop`; ours mark
+            if hasattr(layer, "activate_past_recording"):
+                call_with_accepted(layer.activate_past_recording, extra)
+
+    def get_recurrent_states_to_keep(self, layer_idx: int | None = None) -> int:
+        """Steps of recurrent state a layer keeps while recording (transformers >= 5.25's hook; None: the most of any
+        layer): 0 for FlexiCache's attention layers and for every layer not recording."""
+        indices = range(len(self.layers)) if layer_idx is None else [layer_idx]
+        kept = [getattr(self.layers[i], "recurrent_states_to_keep", 0) or 0 for i in indices
+                if getattr(self.layers[i], "record_past", False)]
+        return max(kept, default=0)
 
     def deactivate_past_recording(self) -> None:
         """End recording: the tokens so far stay, and several tokens on a filled cache attend densely again (a new

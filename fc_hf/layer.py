@@ -14,20 +14,21 @@ from transformers.cache_utils import CacheLayerMixin
 
 from . import kernels
 from .errors import FlexiCacheError
+from .grad_modes import storage_mode
 from .head_group import STABLE, STREAMING, UNSTABLE, HeadGroup
 from .online import regroup
 from .verify import VerifiedDecoding
 
 _METADATA_OPS = {"__get__", "size", "dim", "__repr__", "__format__", "__len__", "numel", "is_floating_point"}
 
-_NOT_FLEXICACHE = (
+NOT_FLEXICACHE = (
     "FlexiCache decode step reached an attention function other than FlexiCache's (the model's "
     "attn_implementation is {impl!r}). Load the model with attn_implementation='flexicache' after "
     "`fc_hf.register()`, or call `model.set_attn_implementation('flexicache')`."
 )
 
 # torch.compile (dynamo) cannot trace the paged store or the placeholder; refuse instead of failing deep inside dynamo.
-_NO_COMPILE = (
+NO_COMPILE = (
     "FlexiCache does not work under torch.compile (its pages, block tables and tiers live outside the graph). "
     "Run generate on the uncompiled model (do not wrap `model.forward` in torch.compile, and do not combine "
     "FlexiCache with cache_implementation='static'); use StaticCache if you need a compiled decode."
@@ -42,13 +43,13 @@ class DecodePlaceholder(torch.Tensor):
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         if torch.compiler.is_compiling():  # dynamo wrapping the placeholder after a graph break
-            raise FlexiCacheError(_NO_COMPILE)
+            raise FlexiCacheError(NO_COMPILE)
         if getattr(func, "__name__", "") in _METADATA_OPS:
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **(kwargs or {}))
         layer = next((a.fc_layer for a in args if isinstance(a, DecodePlaceholder)), None)
         impl = layer.owner.attn_implementation_hint() if layer is not None else "not 'flexicache'"
-        raise FlexiCacheError(_NOT_FLEXICACHE.format(impl=impl))
+        raise FlexiCacheError(NOT_FLEXICACHE.format(impl=impl))
 
 
 def _placeholder(layer: "FlexiCacheLayer", batch: int, heads: int, length: int, dim: int, like: torch.Tensor):
@@ -105,14 +106,14 @@ class FlexiCacheLayer(VerifiedDecoding, CacheLayerMixin):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if torch.compiler.is_compiling():  # fullgraph=True traces into here
-            raise FlexiCacheError(_NO_COMPILE)
+            raise FlexiCacheError(NO_COMPILE)
         t = key_states.shape[2]
         if self.pending:
-            raise FlexiCacheError(_NOT_FLEXICACHE.format(impl=self.owner.attn_implementation_hint()))
+            raise FlexiCacheError(NOT_FLEXICACHE.format(impl=self.owner.attn_implementation_hint()))
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         else:
-            self._check_same_kind(key_states)
+            self.check_same_kind(key_states)
         prompt = self.prompt_tokens(t)
         auto = self.owner.auto
         if (auto is not None and prompt < t and self.length > 0 and self.regrouped_after_step is None
@@ -238,8 +239,9 @@ class FlexiCacheLayer(VerifiedDecoding, CacheLayerMixin):
             self._order_memo = memo
         return memo[1], memo[2], memo[3]
 
-    def _check_same_kind(self, key_states: torch.Tensor) -> None:
-        if key_states.device != self.device or key_states.dtype != self.dtype:
+    def check_same_kind(self, key_states: torch.Tensor, device: bool = True) -> None:
+        """Refuse tokens of another dtype, batch size or (with `device`) device than this layer holds."""
+        if (device and key_states.device != self.device) or key_states.dtype != self.dtype:
             raise FlexiCacheError(
                 f"FlexiCache layer {self.layer_idx} holds {self.dtype} on {self.device} but got {key_states.dtype} on "
                 f"{key_states.device}. The model's dtype/device changed mid-generation: keep it fixed, or start a new "
@@ -277,6 +279,10 @@ class FlexiCacheLayer(VerifiedDecoding, CacheLayerMixin):
             self.batch_select_indices(torch.arange(self.batch, device=self.device).repeat_interleave(repeats))
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
+        with storage_mode():
+            self._select_rows(indices)
+
+    def _select_rows(self, indices: torch.Tensor) -> None:
         if not self.is_initialized:
             return
         if indices.dtype == torch.bool:

@@ -15,6 +15,7 @@ import torch
 
 from . import kernels
 from .errors import FlexiCacheError
+from .grad_modes import storage_mode
 from .head_group import STABLE, GroupMark
 
 
@@ -40,7 +41,9 @@ class VerifiedDecoding:
         # FLEXICACHE_BATCHED_VERIFY=0 (or this attribute False) runs every block one step at a time.
         self.batched_verify = os.environ.get("FLEXICACHE_BATCHED_VERIFY", "1") != "0"
 
-    def activate_past_recording(self) -> None:
+    def activate_past_recording(self, recurrent_states_to_keep: int | None = None, **kwargs) -> None:
+        """Mark every decode token from now on (`crop`). `recurrent_states_to_keep` (transformers >= 5.25) counts
+        recurrent-state steps, which an attention layer does not have: it is accepted and not used."""
         self.record_past = True
 
     def _mark(self) -> LayerMark:
@@ -51,8 +54,9 @@ class VerifiedDecoding:
         layer is then as if it had never seen them. 0 commits. Either way the marks taken since the last crop go."""
         mark = self.crop_mark(tokens_to_remove)
         if mark is not None:
-            for group, group_mark in zip(self.groups, mark.groups):
-                group.restore(group_mark)
+            with storage_mode():
+                for group, group_mark in zip(self.groups, mark.groups):
+                    group.restore(group_mark)
             self.length, self.steps = mark.length, mark.steps
         self.commit()
 
