@@ -92,30 +92,35 @@ def test_cache_built_for_another_head_count_refuses_before_writing():
     assert cache.get_seq_length() == 0
 
 
-def test_falcon_multi_query_refused():
-    """Falcon's multi-query attention is not described by num_key_value_heads: refused at the first update."""
-    register()
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(transformers.FalconConfig(**COMMON)).eval()
-    model.set_attn_implementation("flexicache")
-    cache = FlexiCache(model.config, FlexiCacheConfig(page_size=4, token_budget=64))
-    ids, mask = left_padded_batch(1, 20)
-    with pytest.raises(FlexiCacheError, match="KV heads"):
-        model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, max_new_tokens=3, do_sample=False)
+# transformers 5.25 moved Falcon's attention onto `ALL_ATTENTION_FUNCTIONS` with its KV heads in the config; before, its
+# multi-query attention was not described by num_key_value_heads and its new decoder called sdpa itself.
+FALCON_THROUGH_ATTENTION_FUNCTIONS = not hasattr(transformers.models.falcon.modeling_falcon.FalconAttention,
+                                                 "_split_heads")
 
 
-def test_attention_outside_all_attention_functions_refused():
-    """Falcon's new decoder calls sdpa itself (not through ALL_ATTENTION_FUNCTIONS): the decode placeholder
-    must make that fail loudly instead of attending over a stand-in."""
+@pytest.mark.parametrize("new_decoder", [False, True], ids=["multi-query", "new-decoder"])
+def test_falcon_is_served_exactly_or_refused_loudly(new_decoder):
+    """Where Falcon's attention goes through the registered attention function (5.25+), FlexiCache at a full budget
+    gives dense's tokens; before, the first update (multi-query: "KV heads") or the decode placeholder (new decoder,
+    which called sdpa itself) refused instead of attending over a stand-in."""
     register()
     torch.manual_seed(0)
-    config = transformers.FalconConfig(new_decoder_architecture=True, num_kv_heads=2, **COMMON)
-    model = AutoModelForCausalLM.from_config(config).eval()
+    extra = dict(new_decoder_architecture=True, num_kv_heads=2) if new_decoder else {}
+    model = AutoModelForCausalLM.from_config(transformers.FalconConfig(**COMMON, **extra)).eval()
+    ids, mask = left_padded_batch(1, 20)
+    with torch.no_grad():
+        dense = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, do_sample=False)
     model.set_attn_implementation("flexicache")
     cache = FlexiCache(model.config, FlexiCacheConfig(page_size=4, token_budget=64))
-    ids, mask = left_padded_batch(1, 20)
-    with pytest.raises(FlexiCacheError, match="attention function other than FlexiCache's"):
-        model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, max_new_tokens=3, do_sample=False)
+    run = lambda: model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache,  # noqa: E731
+                                 max_new_tokens=3, do_sample=False)
+    if FALCON_THROUGH_ATTENTION_FUNCTIONS:
+        with torch.no_grad():
+            assert torch.equal(run(), dense)
+        return
+    needle = "attention function other than FlexiCache's" if new_decoder else "KV heads"
+    with pytest.raises(FlexiCacheError, match=needle):
+        run()
 
 
 @pytest.mark.parametrize(
