@@ -6,7 +6,7 @@ PIP := $(PY) -m pip
 TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.flexicache-installed
 
-.PHONY: install demo test test-fast test-oldest profile-smollm2 bench clean
+.PHONY: install demo test test-fast test-oldest test-newest profile-smollm2 bench clean
 
 install: $(STAMP)
 
@@ -43,6 +43,25 @@ test-oldest:
 		tqdm pytest hypothesis
 	$(OLDEST)/bin/pip install -q --no-deps -e .
 	$(OLDEST)/bin/pytest -q -m "not slow" $(CORE_TESTS)
+
+# A smoke subset on the newest releases pip resolves today (transformers, accelerate, Hugging Face's `kernels`, lm-eval,
+# ...; torch pinned to the CPU wheel on disk), in a fresh venv, run with `python -m pytest` from the repository root as a
+# user would (the root first on sys.path). Skipped, with a line saying so, when the package registry cannot be reached;
+# any other failure (a resolution conflict included) fails. So a transformers release that breaks FlexiCache fails CI.
+NEWEST ?= .venv-newest
+NEWEST_TESTS := tests/test_import_shadowing.py tests/test_grad_modes.py tests/test_generate_frames.py \
+	tests/test_generation_modes.py tests/test_speculative.py tests/test_tokens_on_filled_cache.py \
+	tests/test_eval_lm_eval.py
+
+test-newest:
+	@if ! python3 -m pip index versions transformers --timeout 20 --retries 1 >/dev/null 2>&1; then \
+		echo "test-newest: the package registry cannot be reached; the newest-release leg is skipped"; exit 0; fi; \
+	set -e; rm -rf $(NEWEST); python3 -m venv $(NEWEST); \
+	$(NEWEST)/bin/pip install -q torch==2.13.0; \
+	$(NEWEST)/bin/pip install -q -e ".[eval,test]" kernels; \
+	$(NEWEST)/bin/python -c "import importlib.metadata as m; print('test-newest:', *(f'{p} {m.version(p)}' for p in \
+		('torch', 'transformers', 'accelerate', 'kernels', 'lm-eval', 'datasets')))"; \
+	$(NEWEST)/bin/python -m pytest -q -p no:cacheprovider $(NEWEST_TESTS)
 
 bench: install
 	$(VENV)/bin/flexicache bench
