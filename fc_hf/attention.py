@@ -42,7 +42,7 @@ def flexicache_attention_forward(
         # Speculative decoding's first forward: the prompt then the first candidates. The prompt's queries attend
         # densely over it, as its prefill would; the candidates' are decode steps.
         pk, pv = prompt
-        n = query.shape[2] - (key.shape[2] - pk.shape[2])
+        n = query.shape[2] - layer.block_tokens()
         mask = attention_mask[:, :, :n, : pk.shape[2]] if isinstance(attention_mask, torch.Tensor) else attention_mask
         dense, _ = flexicache_attention_forward(module, query[:, :, :n], pk, pv, mask, dropout, scaling, **kwargs)
         rest = _decode(layer, query[:, :, n:], attention_mask, scaling, kwargs.get("softcap"))
@@ -51,6 +51,9 @@ def flexicache_attention_forward(
     if observer is not None:
         with storage_mode():
             observer.observe_prefill(query, attention_mask)
+    if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 4 and attention_mask.shape[-1] > key.shape[-2]:
+        # A filled FlexiCache's mask covers its whole capacity; the keys are the tokens held so far.
+        attention_mask = attention_mask[..., : key.shape[-2]]
     if kwargs.get("softcap") is not None:  # sdpa refuses logit soft-capping (Gemma2)
         return _dense_softcap_attention(module, query, key, value, attention_mask, scaling, kwargs["softcap"]), None
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
@@ -93,10 +96,10 @@ def flexicache_mask(*args, **kwargs):
     do chunked prefill, conversations and a copied prefix). A shorter one means the model is re-fed the sequence
     with `use_cache=False` (which would store it twice in the cache) or was given only the new tokens' mask, which
     transformers pads with masked positions: both would attend wrongly, so refuse before any layer writes."""
-    mask, kv_length = kwargs.get("attention_mask"), kwargs.get("kv_length")
-    if isinstance(mask, torch.Tensor) and mask.dim() == 2 and kv_length is not None:
+    mask, q_offset, q_length = kwargs.get("attention_mask"), kwargs.get("q_offset"), kwargs.get("q_length")
+    if isinstance(mask, torch.Tensor) and mask.dim() == 2 and isinstance(q_offset, int) and q_length is not None:
         covered = mask.shape[-1]
-        needed = kv_length + kwargs.get("kv_offset", 0)
+        needed = q_offset + q_length  # the tokens held and the new ones (a FlexiCache's mask spans its capacity)
         if covered < needed:
             raise FlexiCacheError(
                 f"The attention mask covers {covered} positions but the cache and the new tokens span {needed}. Pass "

@@ -5,7 +5,6 @@ from __future__ import annotations
 import copy
 import logging
 import math
-import os
 
 import torch
 from transformers.cache_utils import Cache, DynamicSlidingWindowLayer
@@ -16,13 +15,14 @@ from .compat import call_with_accepted
 from .config import FlexiCacheConfig
 from .errors import FlexiCacheError
 from .grad_modes import storage_mode, stored_kv_output
-from .kernels import GatherWorkspace
 from .attention import NAME as ATTENTION_NAME
-from .layer import NO_COMPILE, NOT_FLEXICACHE, FlexiCacheLayer
+from .decode import DecodeContext
+from .layer import NOT_FLEXICACHE, FlexiCacheLayer
 from .ledger import DeviceLedger
 from .online import OnlineClassifier, check_auto_config
 from .profile import HeadProfile, attention_shape
-from .speculative import assisted_loop, check_auto_profile, check_loop_start, in_prefill
+from .speculative import assisted_loop, check_auto_profile, check_loop_start, generate_max_length, in_prefill
+from .step_bias import StepBias
 
 logger = logging.getLogger("fc_hf")
 
@@ -57,6 +57,11 @@ class FlexiCache(Cache):
         cache_config (`FlexiCacheConfig`, *optional*): algorithm settings; defaults to `FlexiCacheConfig()`.
         profile (`HeadProfile` or `"auto"`, *optional*): unstable (layer, kv_head) pairs. None: every head unstable
             (Quest). "auto": classified online from this run's first `warmup_steps` (`fc_hf/online.py`).
+        max_cache_len (`int`, *optional*): tokens per sequence the cache holds without growing (like `StaticCache`'s):
+            its tensors are allocated for this many at the first prompt, so a decode step never reallocates and
+            `generate` can compile it. None (default): what `generate` will need (prompt + `max_new_tokens`), read
+            from the call that fills the cache; outside `generate`, the prompt plus `DEFAULT_DECODE_ROOM` tokens. An
+            eager step grows the cache when full (new tensors); a compiled step cannot, and raises.
 
     Example:
         >>> from fc_hf import FlexiCache, FlexiCacheConfig, register
@@ -66,7 +71,8 @@ class FlexiCache(Cache):
         >>> out = model.generate(**inputs, cache=cache, max_new_tokens=64)  # past_key_values=cache before 5.24
     """
 
-    def __init__(self, config, cache_config: FlexiCacheConfig | None = None, profile: HeadProfile | str | None = None):
+    def __init__(self, config, cache_config: FlexiCacheConfig | None = None, profile: HeadProfile | str | None = None,
+                 max_cache_len: int | None = None):
         cfg = cache_config or FlexiCacheConfig()
         if not isinstance(cfg, FlexiCacheConfig):
             raise TypeError(f"cache_config must be a FlexiCacheConfig, got {type(cfg).__name__}.")
@@ -93,21 +99,25 @@ class FlexiCache(Cache):
             if not (0 <= l < num_layers and 0 <= h < num_kv_heads):
                 raise ValueError(f"streaming head {(l, h)} is outside the model's {num_layers}x{num_kv_heads} KV heads.")
 
+        if max_cache_len is not None and (isinstance(max_cache_len, bool) or not isinstance(max_cache_len, int)
+                                          or max_cache_len < 1):
+            raise ValueError(f"max_cache_len must be a positive number of tokens or None, got {max_cache_len!r}.")
         self.cache_config = cfg
         self.profile = profile
+        self.max_cache_len = max_cache_len
+        self.capacity = 0  # tokens per sequence every FlexiCache layer has room for (0: nothing allocated yet)
         self.auto: OnlineClassifier | None = None  # profile="auto": the warm-up trace and its classification
         self._model_text_config = text
-        self.timings: dict | None = None
-        self.workspace = GatherWorkspace()  # gather buffers of this cache's decode steps (PyTorch backend)
         self.ledger = DeviceLedger()  # device KV bytes now and at the peak (`memory_report`)
-        self.read_back_bytes = 0  # the last multi-token step's one-layer read-back (`FlexiCacheLayer._with_past`)
-        # Checking that every selected page is resident costs a device sync per head group on CUDA:
-        # always on elsewhere, on CUDA only with FLEXICACHE_DEBUG=1 (or by setting this to True).
-        self.check_residency: bool | None = None
-        self._mask_memo = None
         self.prompt_end: int | None = None  # speculative decoding: where the assisted loop's prompt ends
         # Whether this forward runs in generate's prompt stage (`in_prefill`): its single token is a prompt token.
         self.prefilling = False
+        # The host's count of each FlexiCache layer's tokens, exact while the host drove every write. A compiled step
+        # changes only the device's count (`length_t`): once one was traced (`traced`), the host reads that instead.
+        self._host_lengths: dict[int, int] = {}
+        self.traced = False
+        self._biases: dict[torch.device, StepBias] = {}  # each device's decode-step masks (`fc_hf/step_bias.py`)
+        self._contexts: dict[torch.device, DecodeContext] = {}  # this forward's decode step, per device
         layers = []
         for idx, kind in enumerate(_layer_types(text)):
             if kind in _SLIDING:
@@ -147,8 +157,8 @@ class FlexiCache(Cache):
 
     # -- transformers Cache API ------------------------------------------------------------------
     def update(self, key_states, value_states, layer_idx: int, cache_kwargs=None, *args, **kwargs):
-        if torch.compiler.is_compiling():  # fullgraph=True traces into here; a graph break would run the rest eagerly
-            raise FlexiCacheError(NO_COMPILE)
+        if torch.compiler.is_compiling():
+            self.traced = True  # from now on the device's count of tokens is the only exact one
         if not self.layers:
             raise FlexiCacheError("This FlexiCache was released (cache.release()); create a new FlexiCache for this call.")
         if layer_idx == 0:  # a forward starts: every refusal of FlexiCache's comes now, before any layer writes
@@ -156,10 +166,12 @@ class FlexiCache(Cache):
         layer = self.layers[layer_idx]
         if isinstance(layer, FlexiCacheLayer):
             with storage_mode():  # the pages record no autograd and are no inference tensors (fc_hf/grad_modes.py)
-                keys, values = super().update(key_states, value_states, layer_idx)
-                read_back = layer.length > key_states.shape[2] and not layer.pending  # tokens on a filled cache
-                if read_back:
-                    self._start_read_back_after(layer_idx)
+                if layer.is_initialized:
+                    if not torch.compiler.is_compiling():  # room for these tokens before the step's context is made
+                        self.ensure_capacity(self.host_length(layer) + key_states.shape[2])
+                    layer.context = self._context(layer)
+                keys, values = layer.update(key_states, value_states)
+                read_back = keys is not key_states and not layer.pending  # tokens on a filled cache
             if read_back:  # attention over stored K/V: no gradient flows back through them
                 observer = getattr(keys, "fc_observe", None)
                 keys = stored_kv_output(keys, key_states, value_states)
@@ -172,21 +184,14 @@ class FlexiCache(Cache):
         self.ledger.resized(held, _dense_bytes(layer))
         return out
 
-    def _start_read_back_after(self, layer_idx: int) -> None:
-        """While this layer attends over its read-back, start the next FlexiCache layer's host -> device copy (CUDA:
-        on the side stream, the way transformers' offloaded cache prefetches the next layer)."""
-        for layer in self.layers[layer_idx + 1 :]:
-            if isinstance(layer, FlexiCacheLayer):
-                if layer.is_initialized:
-                    staged = sum(store.start_read_back() for store in layer.stores())
-                    if staged:  # held beside this layer's read-back until the next layer reads it
-                        self.ledger.transient(self.read_back_bytes + staged)
-                return
-
     def _start_forward(self, key_states: torch.Tensor, cache_kwargs, kwargs) -> None:
         """What a forward's first layer does before anything is written: refuse what FlexiCache cannot serve, and tell
         a prompt from decode steps (one token on a filled cache is a decode step, unless generate feeds it as a prompt,
         `in_prefill`)."""
+        self._contexts = {}
+        if torch.compiler.is_compiling():  # a compiled forward is a decode step (`is_compileable`): nothing to check
+            self.prefilling = False
+            return
         self._check_layers_agree()
         self._check_use_cache(cache_kwargs, kwargs)
         first = self._first_flexi_idx
@@ -194,13 +199,11 @@ class FlexiCache(Cache):
             return
         layer = self.layers[first]
         t = key_states.shape[2]
-        self.prefilling = t == 1 and layer.length > 0 and in_prefill()
+        self.prefilling = t == 1 and layer.is_initialized and self.host_length(layer) > 0 and in_prefill()
         if layer.is_initialized:
             layer.check_same_kind(key_states, device=False)  # layers may sit on different devices (device_map)
         if layer.prompt_tokens(t) < t:
             self._check_attention_function()
-        if self.cache_config.max_device_pages is not None:
-            self._check_device_bound(key_states)
 
     def _check_attention_function(self) -> None:
         """Decode steps need FlexiCache's attention function: refuse, before anything is written, a model whose config
@@ -219,7 +222,7 @@ class FlexiCache(Cache):
         deep inside attention or run with the layers a token apart."""
         if torch.compiler.is_compiling():
             return
-        lengths = [layer.get_seq_length() if getattr(layer, "is_initialized", False) else 0 for layer in self.layers]
+        lengths = [self._layer_length(layer) for layer in self.layers]
         if len(set(lengths)) > 1:
             runs, start = [], 0
             for i in range(1, len(lengths) + 1):
@@ -315,55 +318,11 @@ class FlexiCache(Cache):
     def flexi_layers(self) -> list[FlexiCacheLayer]:
         return [l for l in self.layers if isinstance(l, FlexiCacheLayer)]
 
-    def _check_device_bound(self, key_states: torch.Tensor) -> None:
-        """Refuse a forward pass whose pages would exceed `max_device_pages`, before any layer writes."""
-        bound = self.cache_config.max_device_pages
-        b, _, t, _ = key_states.shape
-        needed = sum(group.slots_after(t, b, decode=layer.prompt_tokens(t) == 0) for layer in self.flexi_layers
-                     for group in layer.groups)
-        if needed > bound:
-            held = self.get_seq_length(self._first_flexi_idx)
-            state = "The cache is still empty." if held == 0 else (
-                f"Nothing of this step was written; the cache still holds all {held} tokens so far."
-            )
-            raise FlexiCacheError(
-                f"This step needs {needed} device pages ({b} sequences, {t} new tokens) but max_device_pages={bound}. "
-                f"Raise max_device_pages, shorten the prompt or generation, or use a smaller batch. {state}"
-            )
-
-    def residency_check_for(self, device: torch.device) -> bool:
-        if self.check_residency is not None:
-            return self.check_residency
-        return device.type != "cuda" or os.environ.get("FLEXICACHE_DEBUG") == "1"
-
     def attn_implementation_hint(self) -> str:
         """`config._attn_implementation` of the config this cache was built from (shared with the model, so it is
         current at the time of the error)."""
         impl = getattr(self._model_text_config, "_attn_implementation", None)
         return impl if impl is not None else "unknown (the config names none)"
-
-    # -- padding information shared by all layers of one step ------------------------------------
-    def padding_info(self, attention_mask, length: int, page_size: int):
-        """`(token_valid [B, L] | None, page_valid [B, Np] | None)` from the decode mask, computed once per step."""
-        if attention_mask is None:
-            return None, None
-        memo = self._mask_memo
-        if memo is not None and memo[0] is attention_mask and memo[1] == length:
-            return memo[2], memo[3]
-        m = attention_mask
-        if m.dim() == 4:
-            m = m[:, 0, -1, :]
-        token_valid = m if m.dtype == torch.bool else m == 0
-        token_valid = token_valid[:, :length]
-        if bool(token_valid.all()):
-            token_valid = page_valid = None
-        else:
-            pages = math.ceil(length / page_size)
-            padded = torch.zeros(token_valid.shape[0], pages * page_size, dtype=torch.bool, device=m.device)
-            padded[:, :length] = token_valid
-            page_valid = padded.view(-1, pages, page_size).any(-1)
-        self._mask_memo = (attention_mask, length, token_valid, page_valid)
-        return token_valid, page_valid
 
     # -- reports (`fc_hf/reports.py`) -------------------------------------------------------------------
     def memory_report(self) -> dict[str, int]:
@@ -388,28 +347,159 @@ class FlexiCache(Cache):
             return None
         return HeadProfile.from_unstable(self._model_text_config, self.auto.unstable, extra=self.auto.extra())
 
-    def enable_timing(self) -> None:
-        """Accumulate per-phase seconds (scoring, selection, gather_attention, promotion) into `stats()`."""
-        self.timings = {}
-        for layer in self.flexi_layers:
-            for group in layer.groups:
-                group.timings = self.timings
-
     def release(self) -> None:
         """Free every tensor this cache holds; the cache cannot be used afterwards."""
-        for idx, layer in enumerate(self.layers):
+        for layer in self.layers:
             if isinstance(layer, FlexiCacheLayer):
                 layer.commit()
-                for group in layer.groups:
-                    if group.store is not None:
-                        group.store.free_device()
-                    group.store = None
-                    group.sel = None
-                    group.workspace = None
+                self.ledger.resized(layer.device_bytes(), 0)
+                layer.store = layer.selector = None
             else:
                 self.ledger.resized(_dense_bytes(layer), 0)
                 layer.keys = layer.values = None
         self.layers = []
-        self.workspace.clear()
+        self._biases = {}
         if self.auto is not None:
             self.auto.topk, self.auto.valid = {}, {}
+
+    def reset(self) -> None:
+        """Empty the cache for a new batch of prompts, keeping its tensors (same addresses: a compiled decode step is
+        reused, not recompiled; a pipeline can pass one cache to every call). A later batch of another size
+        reallocates."""
+        self.deactivate_past_recording()
+        for layer in self.layers:
+            if isinstance(layer, FlexiCacheLayer):
+                layer.reset_state()
+            elif hasattr(layer, "reset"):
+                layer.reset()
+        self._host_lengths = {}
+        self._contexts = {}
+
+    # -- tokens held and room for them -------------------------------------------------------------------
+    def host_length(self, layer: FlexiCacheLayer) -> int:
+        """Tokens `layer` holds, as a host number: the host's own count while it drove every write; once a compiled
+        step was traced, read from the device (a sync: only outside decode steps and in eager steps of such a cache)."""
+        if layer.store is None:
+            return 0
+        if self.traced:
+            held = int(layer.store.length_t)
+            self._host_lengths[layer.layer_idx] = held
+            return held
+        return self._host_lengths.get(layer.layer_idx, 0)
+
+    def wrote(self, layer: FlexiCacheLayer, length: int) -> None:
+        """The host wrote `layer` up to `length` tokens (its count follows)."""
+        self._host_lengths[layer.layer_idx] = length
+        layer.store.length = length
+
+    def _layer_length(self, layer) -> int:
+        if isinstance(layer, FlexiCacheLayer):
+            return self.host_length(layer)
+        return layer.get_seq_length() if getattr(layer, "is_initialized", False) else 0
+
+    def capacity_for(self, tokens: int, batch: int) -> int:
+        """The capacity to allocate when the first `tokens` arrive: `max_cache_len`, else what `generate` will need
+        (its `max_length`), else `tokens` plus `DEFAULT_DECODE_ROOM`; under `max_device_pages`, at most what fits (and
+        refused, before anything is written, if `tokens` do not)."""
+        if not self.capacity:
+            wanted = self.max_cache_len or generate_max_length() or tokens + DEFAULT_DECODE_ROOM
+            floor = 2 * self.cache_config.page_size  # a ranking's page being filled and one more
+            self.capacity = self._bounded(max(wanted, tokens, floor), max(tokens, floor), batch)
+        return self.capacity
+
+    def ensure_capacity(self, tokens: int) -> None:
+        """Room for `tokens` per sequence in every FlexiCache layer, grown (new tensors, outside a decode step) when
+        short: to what `generate` will need if that holds them, else by half again, within `max_device_pages`
+        (refused, before anything is written, where `tokens` do not fit)."""
+        if tokens <= self.capacity:
+            return
+        if torch.compiler.is_compiling():
+            raise FlexiCacheError(_FULL_WHEN_COMPILED.format(capacity=self.capacity))
+        batch = next((layer.batch for layer in self.flexi_layers if layer.is_initialized), 1)
+        grown = max(tokens, generate_max_length() or 0, self.capacity + self.capacity // 2)
+        self.capacity = self._bounded(grown, tokens, batch)
+        for layer in self.flexi_layers:
+            layer.grow(self.capacity)
+        self._biases = {}
+
+    def _bounded(self, wanted: int, needed: int, batch: int) -> int:
+        """`wanted` tokens (page-rounded), or the most that fit `max_device_pages` over all layers if fewer, never
+        fewer than `needed`: a capacity that does not fit is refused."""
+        page = self.cache_config.page_size
+        wanted, needed = _round_up(wanted, page), _round_up(needed, page)
+        bound = self.cache_config.max_device_pages
+        if bound is None:
+            return wanted
+
+        def fits(capacity):
+            return sum(layer.device_pages(capacity, batch) for layer in self.flexi_layers) <= bound
+
+        if not fits(needed):
+            held = max((self.host_length(layer) for layer in self.flexi_layers), default=0)
+            state = "The cache is still empty." if held == 0 else (
+                f"Nothing was written; the cache still holds all {held} tokens so far.")
+            pages = sum(layer.device_pages(needed, batch) for layer in self.flexi_layers)
+            raise FlexiCacheError(
+                f"Holding {needed} tokens per sequence needs {pages} device pages but max_device_pages={bound}. "
+                f"Raise max_device_pages, shorten the prompt or generation, or use a smaller batch. {state}"
+            )
+        low, high = needed // page, wanted // page  # the most pages per row that fit, by bisection
+        while low < high:
+            mid = (low + high + 1) // 2
+            low, high = (mid, high) if fits(mid * page) else (low, mid - 1)
+        return low * page
+
+    # -- the decode step's context -----------------------------------------------------------------------
+    def _context(self, layer: FlexiCacheLayer) -> DecodeContext:
+        """This forward's decode context on `layer`'s device (made by its first FlexiCache layer there)."""
+        ctx = self._contexts.get(layer.device)
+        if ctx is None:
+            ctx = self._contexts[layer.device] = self.fresh_context(layer)
+        return ctx
+
+    def fresh_context(self, layer: FlexiCacheLayer) -> DecodeContext:
+        """A decode context for `layer`'s next token: its position and step now, its device's mask buffers."""
+        position = layer.store.length_t.clone()
+        return DecodeContext(position, position - layer.prompt_end_t + 1, self.step_bias(layer))
+
+    def step_bias(self, layer: FlexiCacheLayer) -> StepBias:
+        """The mask buffers of decode steps on `layer`'s device, for its batch and capacity (made outside a decode step:
+        by a prompt, so a compiled step finds them)."""
+        store, device = layer.store, layer.device
+        bias = self._biases.get(device)
+        if bias is None or bias.batch != store.batch or bias.num_pages != store.pages:
+            cfg = self.cache_config
+            bias = StepBias(store.batch, store.pages, cfg.page_size, cfg.subpages, cfg.sink_pages, device)
+            self._biases[device] = bias
+        return bias
+
+    @property
+    def is_compileable(self) -> bool:
+        """generate compiles the decode step of a FlexiCache (its shapes and addresses are fixed, it never syncs):
+        not its prompt (asked inside `GenerationMixin._prefill`, prefill chunks run eagerly), not while drafts are
+        recorded (speculative decoding), not during `profile="auto"`'s warm-up (it traces on the host), not with
+        sliding-window layers (transformers' own are not compileable)."""
+        if not self.layers or (self.auto is not None and not self.auto.done):
+            return False
+        if not torch.compiler.is_compiling() and in_prefill():  # asked from generate's prompt stage
+            return False
+        return all(getattr(layer, "is_compileable", False) for layer in self.layers)
+
+    def get_seq_length(self, layer_idx: int = 0):
+        layer = self.layers[layer_idx] if self.layers else None
+        if layer is None:
+            return 0
+        return layer.get_seq_length()
+
+
+DEFAULT_DECODE_ROOM = 1024  # tokens past a prompt that a cache filled outside `generate` holds before it grows
+
+_FULL_WHEN_COMPILED = (
+    "A compiled FlexiCache decode step has no room left ({capacity} tokens per sequence): a compiled step cannot "
+    "grow the cache. Pass max_cache_len= to FlexiCache (the prompt plus every token to generate), or let generate "
+    "size it (it does from max_new_tokens)."
+)
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple

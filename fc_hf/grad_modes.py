@@ -27,8 +27,8 @@ _NO_GRADIENT = (
 
 def storage_mode() -> contextlib.AbstractContextManager:
     """Where the cache writes its state: no autograd and no inference tensors; a no-op in plain `no_grad` (generate)."""
-    if not (torch.is_grad_enabled() or torch.is_inference_mode_enabled()):
-        return contextlib.nullcontext()
+    if torch.compiler.is_compiling() or not (torch.is_grad_enabled() or torch.is_inference_mode_enabled()):
+        return contextlib.nullcontext()  # a compiled step is generate's decode, under no_grad
     stack = contextlib.ExitStack()
     stack.enter_context(torch.no_grad())
     if torch.is_inference_mode_enabled():

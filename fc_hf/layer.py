@@ -1,10 +1,11 @@
-"""`FlexiCacheLayer`: one full-attention layer's cache, made of head groups.
+"""`FlexiCacheLayer`: one full-attention layer's cache.
 
-Prompt tokens (a prompt, a prefill chunk, a new turn: `prompt_tokens`) return dense K/V for the model's own dense
-attention. A decode step appends its token to the pages and returns a placeholder that carries this layer;
-FlexiCache's attention function (`attention.py`) finds it there and runs score -> select -> sparse attention. Any other
-attention function touching the placeholder raises, so a model not loaded with `attn_implementation="flexicache"` fails
-loudly. While recording for speculative decoding, every token after the prompt is a decode step (fc_hf/verify.py).
+Prompt tokens (a prompt, a prefill chunk, a new turn: `prompt_tokens`) are written to the layer's store and attend
+densely: over themselves on an empty cache (the model's own K/V), over every token held on a filled one. A decode step
+appends its token (`fc_hf/decode.py`) and returns a placeholder that carries this layer; FlexiCache's attention function
+(`attention.py`) finds it there and runs rank -> tier move -> sparse attention. Any other attention function touching
+the placeholder raises, so a model not loaded with `attn_implementation="flexicache"` fails loudly. While recording for
+speculative decoding, every token after the prompt is a decode step (fc_hf/verify.py).
 """
 
 from __future__ import annotations
@@ -12,11 +13,12 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from . import kernels
+from . import decode
 from .errors import FlexiCacheError
-from .grad_modes import storage_mode
-from .head_group import STABLE, STREAMING, UNSTABLE, HeadGroup
-from .online import regroup
+from .rows import HeadKinds
+from .schedule import ranked_rows, rows_per_step
+from .selection import PageSelector
+from .store import PageStore, window_pages
 from .verify import VerifiedDecoding
 
 _METADATA_OPS = {"__get__", "size", "dim", "__repr__", "__format__", "__len__", "numel", "is_floating_point"}
@@ -27,12 +29,21 @@ NOT_FLEXICACHE = (
     "`fc_hf.register()`, or call `model.set_attn_implementation('flexicache')`."
 )
 
-# torch.compile (dynamo) cannot trace the paged store or the placeholder; refuse instead of failing deep inside dynamo.
-NO_COMPILE = (
-    "FlexiCache does not work under torch.compile (its pages, block tables and tiers live outside the graph). "
-    "Run generate on the uncompiled model (do not wrap `model.forward` in torch.compile, and do not combine "
-    "FlexiCache with cache_implementation='static'); use StaticCache if you need a compiled decode."
+COMPILED_PROMPT = (
+    "FlexiCache takes a prompt (a prefill, a prefill chunk, a new turn) eagerly: only its decode steps compile "
+    "(generate compiles just those for a FlexiCache). Under torch.compile(fullgraph=True) of the whole forward, run the "
+    "prompt through the uncompiled model first."
 )
+
+
+@torch.compiler.disable(reason=COMPILED_PROMPT)
+def _prompt_eagerly(layer: "FlexiCacheLayer", key_states: torch.Tensor, value_states: torch.Tensor):
+    """A prompt reaching a compiled forward: taken outside the graph (a graph break), as an eager forward would."""
+    if not layer.is_initialized:
+        layer.lazy_initialization(key_states, value_states)
+    else:
+        layer.check_same_kind(key_states)
+    return layer._take_prompt(key_states, value_states)
 
 
 class DecodePlaceholder(torch.Tensor):
@@ -42,8 +53,6 @@ class DecodePlaceholder(torch.Tensor):
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
-        if torch.compiler.is_compiling():  # dynamo wrapping the placeholder after a graph break
-            raise FlexiCacheError(NO_COMPILE)
         if getattr(func, "__name__", "") in _METADATA_OPS:
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **(kwargs or {}))
@@ -64,31 +73,38 @@ class FlexiCacheLayer(VerifiedDecoding, CacheLayerMixin):
 
     is_sliding = False
     is_croppable = True  # crop(-n) restores a mark (speculative decoding)
-    is_compileable = False
 
     def __init__(self, layer_idx: int, num_kv_heads: int, cfg, unstable: set[int], streaming: set[int], owner):
         super().__init__()
         self.layer_idx = layer_idx
         self.num_kv_heads = num_kv_heads
         self.cfg = cfg
-        self.owner = owner  # the FlexiCache: decode-step counter, padding-mask cache, timings
-        self.groups = self._make_groups(unstable, streaming)
-        self.length = 0
-        self.steps = 0  # decode steps seen by this layer
+        self.owner = owner  # the FlexiCache: capacity, the decode context of a forward, the attention hint
+        self.kinds = HeadKinds.split(num_kv_heads, unstable, streaming)
+        self.store: PageStore | None = None
+        self.selector: PageSelector | None = None
+        self.rank_all = False  # the next decode step ranks every stable row (the first after a prompt)
         self.pending = False  # a placeholder was handed out and not yet consumed by the attention function
+        self.context: decode.DecodeContext | None = None  # this forward's decode step (set by the cache)
         self.regrouped_after_step: int | None = None  # profile="auto": the step after which the heads were re-split
+        self.prompt_end = 0  # tokens held when the last prompt ended
+        self.turn_steps: list[int] = []  # decode steps of each earlier turn (stats)
+        self.last_ranking = None  # (pages [N_E, K] of the unstable rows) of the last eager decode step (inspection)
         self._init_verification()
 
-    def _make_groups(self, unstable: set[int], streaming: set[int]) -> list[HeadGroup]:
-        kinds = {
-            STREAMING: sorted(streaming),
-            UNSTABLE: sorted(unstable - streaming),
-            STABLE: sorted(set(range(self.num_kv_heads)) - unstable - streaming),
-        }
-        return [HeadGroup(kind, heads, self.cfg, self.owner.timings, self.owner.workspace)
-                for kind, heads in kinds.items() if heads]
+    # -- transformers CacheLayerMixin ------------------------------------------------------------------
+    @property
+    def is_compileable(self) -> bool:
+        """A decode step is static (fixed shapes, no host sync): generate compiles it. Not while recording drafts for
+        speculative decoding (a verification forward brings several decode tokens, eagerly), as transformers' own
+        linear-attention layers."""
+        return not self.record_past
 
-    # -- transformers CacheLayerMixin ------------------------------------------------------------
+    @property
+    def length(self) -> int:
+        """Tokens held (the host's count: exact where the host drove every write; see `FlexiCache.host_length`)."""
+        return self.owner.host_length(self)
+
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         if key_states.shape[1] != self.num_kv_heads:  # else heads would be mis-grouped silently
             raise FlexiCacheError(
@@ -100,25 +116,90 @@ class FlexiCacheLayer(VerifiedDecoding, CacheLayerMixin):
             )
         self.device, self.dtype = key_states.device, key_states.dtype
         self.batch, self.head_dim, self.value_dim = key_states.shape[0], key_states.shape[-1], value_states.shape[-1]
-        for group in self.groups:
-            group.init_store(self.batch, self.head_dim, self.value_dim, self.dtype, self.device, self.owner.ledger)
+        self._build(self.batch, self.owner.capacity_for(key_states.shape[2], self.batch))
         self.is_initialized = True
 
+    def _build(self, batch: int, capacity: int) -> None:
+        store = PageStore(self.kinds, self.cfg, batch, self.head_dim, self.value_dim, self.dtype, self.device, capacity,
+                          host_tier=self.cfg.offload)
+        self.store = store
+        self.selector = PageSelector(self.cfg, store.n, self.device)
+        self.prompt_end_t = torch.zeros((), dtype=torch.long, device=self.device)  # `prompt_end` on the device
+        self._index_tensors()
+        self.owner.ledger.resized(0, self.device_bytes())
+
+    def _index_tensors(self) -> None:
+        """Index tensors of the decode step, for this batch and capacity (rebuilt when either changes)."""
+        store, rows, dev = self.store, self.store.rows, self.device
+        self.row_starts = torch.arange(store.n, device=dev) * store.capacity
+        self.unstable_page_starts = (rows.unstable * store.pages)[:, None]
+        self.streaming_page_starts = (rows.streaming * store.pages)[:, None]
+        self.stable_rows = torch.cat([rows.stable, rows.stable.new_full((1,), store.n)])  # the extra row: padding
+        self.stable_all = torch.arange(rows.n_stable, device=dev)
+        self.places = torch.arange(rows_per_step(rows.n_stable, self.cfg.rerank_interval), device=dev)
+        self.every_row_unstable = rows.n_unstable == store.n
+        self.every_row_stable = rows.n_stable == store.n
+        k, sink = min(self.cfg.pages_per_head, store.pages), self.cfg.streaming_sink_pages
+        self.first_pages = torch.arange(k, device=dev)
+        self.recent_offsets = torch.arange(max(0, k - sink), device=dev)
+        if getattr(self, "promoted", None) is None:
+            self.promoted = torch.zeros((), dtype=torch.long, device=dev)  # pages promoted host -> device so far
+
+    def grow(self, capacity: int) -> None:
+        """Room for `capacity` tokens (outside a decode step)."""
+        if self.store is not None and capacity > self.store.capacity:
+            before = self.device_bytes()
+            self.store.grow(capacity)
+            self._index_tensors()
+            self.owner.ledger.resized(before, self.device_bytes())
+
+    def device_pages(self, capacity: int, batch: int) -> int:
+        """Pages of K/V this layer holds on the device at `capacity` tokens per sequence for `batch` sequences: every
+        page of the unstable and streaming heads (and of the stable ones with offload off), the stable rows' windows."""
+        pages = capacity // self.cfg.page_size
+        device_heads = len(self.kinds.unstable) + len(self.kinds.streaming)
+        if not self.cfg.offload:
+            device_heads += len(self.kinds.stable)
+        windows = (batch * len(self.kinds.stable) + 1) * window_pages(self.cfg, pages) if self.kinds.stable else 0
+        return batch * device_heads * pages + windows
+
+    def reset_state(self) -> None:
+        """Hold no token, keeping the tensors (`FlexiCache.reset`)."""
+        self.commit()
+        self.record_past = False
+        if self.store is not None:
+            self.store.length = 0
+            self.store.length_t.zero_()
+            self.store.win_pages.fill_(-1)
+            self.prompt_end_t.zero_()
+            self.selector.forget()
+            self.promoted.zero_()
+        self.prompt_end, self.turn_steps, self.rank_all, self.pending = 0, [], False, False
+        self.last_ranking = None
+
+    def device_bytes(self) -> int:
+        if self.store is None:
+            return 0
+        bytes_ = self.store.tier_bytes()
+        return bytes_["device"]
+
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        if torch.compiler.is_compiling():  # fullgraph=True traces into here
-            raise FlexiCacheError(NO_COMPILE)
         t = key_states.shape[2]
         if self.pending:
             raise FlexiCacheError(NOT_FLEXICACHE.format(impl=self.owner.attn_implementation_hint()))
+        if torch.compiler.is_compiling() and (t > 1 or not self.is_initialized) and not self.record_past:
+            return _prompt_eagerly(self, key_states, value_states)  # a compiled forward brought a prompt
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        else:
+        elif not torch.compiler.is_compiling():
             self.check_same_kind(key_states)
         prompt = self.prompt_tokens(t)
         auto = self.owner.auto
-        if (auto is not None and prompt < t and self.length > 0 and self.regrouped_after_step is None
-                and self.steps == auto.boundary):  # before a decode step: a prefill chunk classifies nothing
-            found = auto.decide(self.steps)  # the first layer classifies; None: postponed
+        if (auto is not None and prompt < t and self.owner.host_length(self) > 0 and self.regrouped_after_step is None
+                and self.decode_steps() == auto.boundary):  # before a decode step: a prefill chunk classifies nothing
+            from .online import regroup  # noqa: PLC0415 - profile="auto" only
+
+            found = auto.decide(self.decode_steps())  # the first layer classifies; None: postponed
             if found is not None:
                 regroup(self, auto.unstable_in(self.layer_idx))
         if prompt == t:
@@ -135,7 +216,7 @@ class FlexiCacheLayer(VerifiedDecoding, CacheLayerMixin):
                 prompt_kv = self._take_prompt(key_states[:, :, :prompt], value_states[:, :, :prompt])
             self._block = (key_states[:, :, prompt:], value_states[:, :, prompt:], prompt_kv)
         self.pending = True
-        length = self.length + (0 if self._block is None else self._block[0].shape[2])
+        length = self.store.capacity
         return (
             _placeholder(self, b, h, length, self.head_dim, key_states),
             _placeholder(self, b, h, length, self.value_dim, value_states),
@@ -148,22 +229,31 @@ class FlexiCacheLayer(VerifiedDecoding, CacheLayerMixin):
         recording past states for speculative decoding every token after the prompt is a decode step, so each verified
         candidate attends as plain decoding would have (`fc_hf/speculative.py`)."""
         if not self.record_past:
-            return t if t > 1 or self.length == 0 or self.owner.prefilling else 0
+            if t == 1 and torch.compiler.is_compiling():
+                return 0  # generate compiles decode steps only
+            return t if t > 1 or self.owner.host_length(self) == 0 or self.owner.prefilling else 0
         end = self.owner.prompt_end
-        return min(t, max(0, (self.length if end is None else end) - self.length))
+        held = self.owner.host_length(self)
+        return min(t, max(0, (held if end is None else end) - held))
 
     def _take_prompt(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append tokens that attend densely (a prompt, a chunk, a turn); returns the K/V they attend over."""
+        """Append tokens that attend densely (a prompt, a chunk, a turn); returns the K/V they attend over: the model's
+        own on an empty cache, every token held (views of the store) on a filled one."""
         t = key_states.shape[2]
-        past = self.length
-        if past > 0:
-            # Tokens on a filled cache (a prefill chunk, a new turn): they attend exactly, over every earlier token
-            # read back from both tiers (this layer only) and over each other; read before the append drops pages.
-            key_all, value_all = self._with_past(key_states, value_states)
-        self._append(key_states, value_states)
-        self.length += t
-        if past > 0:
-            key_states, value_states = key_all, value_all
+        past = self.owner.host_length(self)
+        if past:
+            self.turn_steps.append(past - self.prompt_end)
+        self.owner.ensure_capacity(past + t)
+        self.store.write_prompt(key_states, value_states)
+        self.owner.wrote(self, past + t)
+        self.prompt_end = past + t
+        self.prompt_end_t.fill_(past + t)
+        self.rank_all = bool(self.kinds.stable)
+        self.store.aim_windows(past + t)  # the next token's window place, until that step's ranking fills them
+        self.owner.step_bias(self)  # the decode steps' mask buffers exist before a step (which may be compiled)
+        self.selector.forget()  # nothing ranked before these tokens is carried on
+        if past:
+            key_states, value_states = self.store.dense()
         auto = self.owner.auto
         if auto is not None and auto.observing and not auto.done and t > 1:
             # Zero warm-up: the attention function finds this layer on the keys and traces the prompt's last
@@ -173,71 +263,17 @@ class FlexiCacheLayer(VerifiedDecoding, CacheLayerMixin):
             key_states.fc_observe = self
         return key_states, value_states  # dense attention over exactly these
 
-    def _decode_token(self, key: torch.Tensor, value: torch.Tensor) -> None:
-        """Append one decode step's token `[B, H, 1, D]` (marked first while recording, so `crop` can take it back)."""
+    def _decode_token(self, key: torch.Tensor, value: torch.Tensor, own_context: bool = False) -> None:
+        """Append one decode step's token `[B, H, 1, D]` (marked first while recording, so `crop` can take it back).
+        `own_context`: a token of a verification block, whose step is its own (not the forward's)."""
         if self.record_past:
             self._marks.append(self._mark())
-        self._append(key, value, prompt=False)
-        self.length += 1
-        self.steps += 1
-
-    def _append(self, key_states: torch.Tensor, value_states: torch.Tensor, prompt: bool = True) -> None:
-        backend = self.cfg.backend
-        if len(self.groups) == 1:  # one group holds every head, in order: nothing to pick
-            self.groups[0].append(key_states, value_states, prompt, backend=backend)
-        elif not prompt and kernels.backend_for(key_states, backend) == "triton":
-            for group in self.groups:  # one launch per group picks its heads and writes K and V
-                group.append(key_states, value_states, prompt, heads=group.head_index, backend=backend)
-        else:  # the heads in group order once, then each group takes its span (a view)
-            perm, spans, _ = self._head_order()
-            kp = key_states if perm is None else key_states.index_select(1, perm)
-            vp = value_states if perm is None else value_states.index_select(1, perm)
-            for group, (lo, hi) in zip(self.groups, spans):
-                group.append(kp[:, lo:hi], vp[:, lo:hi], prompt, backend=backend)
-
-    def _with_past(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """`[B, H, L + T, D]` keys and values: the L tokens held (from the device where resident, else the host tier,
-        `PagedKV.read_into`) followed by the T new ones, for the model's dense attention. One layer at a time: this
-        read-back lives while the layer attends; its bytes count towards the cache's peak (`memory_report`)."""
-        b, h, t, _ = key_states.shape
-        past = self.length
-        keys = key_states.new_empty(b, h, past + t, self.head_dim)
-        values = value_states.new_empty(b, h, past + t, self.value_dim)
-        keys[:, :, past:] = key_states
-        values[:, :, past:] = value_states
-        staged = 0
-        perm, spans, _ = self._head_order()
-        for group, (lo, hi) in zip(self.groups, spans):
-            if perm is None:  # the group's heads are a run: its span of the layer's tensors
-                staged = max(staged, group.store.read_into(keys[:, lo:hi], values[:, lo:hi]))
-            else:  # written into the group's heads of the layer's tensors (no copy of its own)
-                staged = max(staged, group.store.read_into(keys, values, heads=group.head_index))
-        self.owner.read_back_bytes = keys.numel() * keys.element_size() + values.numel() * values.element_size() + staged
-        self.owner.ledger.transient(self.owner.read_back_bytes)
-        return keys, values
-
-    def _head_order(self) -> tuple[torch.Tensor | None, list[tuple[int, int]], torch.Tensor | None]:
-        """`(perm, spans, inverse)`: the KV heads in group order (None when no reordering is needed), each group's
-        span in it, and the inverse permutation (group order back to head order; None with perm).
-
-        When every group's heads are a run of consecutive heads, each group's span is its run in head order itself
-        (a view of the model's tensors; no pick of the heads before the groups, none of the output after)."""
-        memo = getattr(self, "_order_memo", None)
-        if memo is None or memo[0] is not self.groups:
-            order = [h for g in self.groups for h in g.heads]
-            spans, lo = [], 0
-            for g in self.groups:
-                spans.append((lo, lo + len(g.heads)))
-                lo += len(g.heads)
-            perm = inverse = None
-            if all(g.heads == list(range(g.heads[0], g.heads[0] + len(g.heads))) for g in self.groups):
-                spans = [(g.heads[0], g.heads[0] + len(g.heads)) for g in self.groups]
-            elif order != list(range(self.num_kv_heads)):
-                perm = torch.tensor(order, device=self.device)
-                inverse = torch.tensor(sorted(range(len(order)), key=order.__getitem__), device=self.device)
-            memo = (self.groups, perm, spans, inverse)
-            self._order_memo = memo
-        return memo[1], memo[2], memo[3]
+        if own_context:
+            self.context = self.owner.fresh_context(self)
+        held = None if torch.compiler.is_compiling() else self.owner.host_length(self)
+        decode.append(self, key, value, self.context)
+        if held is not None:
+            self.owner.wrote(self, held + 1)
 
     def check_same_kind(self, key_states: torch.Tensor, device: bool = True) -> None:
         """Refuse tokens of another dtype, batch size or (with `device`) device than this layer holds."""
@@ -254,16 +290,27 @@ class FlexiCacheLayer(VerifiedDecoding, CacheLayerMixin):
             )
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.length + query_length, 0
+        """The whole capacity once the layer holds tokens (a decode step's mask keeps its shape from step to step); the
+        query alone on an empty layer (its prompt attends over itself)."""
+        if self.store is None:
+            return query_length, 0
+        if not torch.compiler.is_compiling() and (query_length > 1 or not self.owner.traced):
+            # Room first (an eager step may grow the cache; reading a traced cache's count is a sync: prompts only).
+            self.owner.ensure_capacity(self.owner.host_length(self) + query_length)
+        return self.store.capacity, 0
 
-    def get_seq_length(self) -> int:
-        return self.length
+    def get_seq_length(self):
+        if self.store is None:
+            return 0
+        if torch.compiler.is_compiling():
+            return self.store.length_t
+        return self.owner.host_length(self)
 
     def get_max_length(self) -> int:
-        return -1
+        return -1 if self.store is None else self.store.capacity
 
     def reset(self) -> None:
-        raise FlexiCacheError("FlexiCache cannot be reset in place; create a new FlexiCache instead.")
+        raise FlexiCacheError("Reset a FlexiCache as a whole (`cache.reset()`), not one of its layers.")
 
     def offload(self):  # the host tier is FlexiCache's own; transformers' whole-layer offloading does not apply
         pass
@@ -279,6 +326,8 @@ class FlexiCacheLayer(VerifiedDecoding, CacheLayerMixin):
             self.batch_select_indices(torch.arange(self.batch, device=self.device).repeat_interleave(repeats))
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
+        from .grad_modes import storage_mode  # noqa: PLC0415 - a hook outside the decode step
+
         with storage_mode():
             self._select_rows(indices)
 
@@ -288,11 +337,17 @@ class FlexiCacheLayer(VerifiedDecoding, CacheLayerMixin):
         if indices.dtype == torch.bool:
             indices = indices.nonzero().flatten()
         self.commit()  # marks hold the old rows
-        for group in self.groups:
-            group.select_rows(indices)
+        store = self.store
+        h = store.heads
+        rows = (indices.to(self.device)[:, None] * h + torch.arange(h, device=self.device)).reshape(-1)
+        before = self.device_bytes()
+        store.select_rows(indices)
+        self.selector.select_rows(rows)
         if self.owner.auto is not None:
             self.owner.auto.select_rows(self.layer_idx, indices)
-        self.batch = int(indices.numel())
+        self.batch = store.batch
+        self._index_tensors()
+        self.owner.ledger.resized(before, self.device_bytes())
 
     # -- decode attention ------------------------------------------------------------------------
     def attend(self, query: torch.Tensor, attention_mask, scaling: float, softcap: float | None) -> torch.Tensor:
@@ -304,53 +359,42 @@ class FlexiCacheLayer(VerifiedDecoding, CacheLayerMixin):
             return self._attend_verified(query, block, attention_mask, scaling, softcap)
         if query.shape[2] != 1:
             raise FlexiCacheError(f"FlexiCache decode expects one query token, got {query.shape[2]}.")
-        return self._attend_step(query, attention_mask, scaling, softcap)
-
-    def _attend_step(self, query: torch.Tensor, attention_mask, scaling: float, softcap: float | None) -> torch.Tensor:
-        """One decode step's attention, its token appended already. `query [B, Hq, 1, D]` -> `[B, 1, Hq, D]`."""
-        b, hq, _, d = query.shape
-        groups = hq // self.num_kv_heads
-        q = query.reshape(b, self.num_kv_heads, groups, d)
-        token_valid, page_valid_full = self.owner.padding_info(attention_mask, self.length, self.cfg.page_size)
-        check = self.owner.residency_check_for(self.device)
-        # One pick of the heads in group order; each group reads its span of it and writes its output into its span of
-        # one buffer in that order (in place at batch 1), which one pick puts back in head order.
-        perm, spans, inverse = self._head_order()
-        q = q if perm is None else q.index_select(1, perm)
-        out = query.new_empty(b, self.num_kv_heads, groups, self.value_dim)
-        for group, (lo, hi) in zip(self.groups, spans):
-            hg = hi - lo
-            page_valid = None
-            if page_valid_full is not None:
-                page_valid = page_valid_full[:, None].expand(b, hg, -1).reshape(b * hg, -1)
-            og = group.attend(q[:, lo:hi].reshape(b * hg, groups, d), self.steps, token_valid, page_valid, scaling,
-                              softcap, check, out=out[0, lo:hi] if b == 1 else None)
-            if b > 1:
-                out[:, lo:hi] = og.view(b, hg, groups, self.value_dim)
-        if inverse is not None:
-            out = out.index_select(1, inverse)
+        out = decode.attend(self, query, self.context, attention_mask, scaling, softcap)
         auto = self.owner.auto
-        if auto is not None and self.regrouped_after_step is None:  # warm-up: one group, every head unstable
-            warm = self.groups[0]
-            auto.record_step(self.layer_idx, self.steps, warm.sel, warm.store.num_pages, page_valid_full, b)
-        return out.view(b, hq, self.value_dim).unsqueeze(1)
+        if auto is not None and self.regrouped_after_step is None and not torch.compiler.is_compiling():
+            auto.record_step(self.layer_idx, self.decode_steps(), self.last_ranking, self.context.bias,
+                             self.store.batch)
+        return out
+
+    def note_ranking(self, ranking, n_unstable: int) -> None:
+        """Keep the unstable rows' chosen pages of an eager step (inspection, `profile="auto"`'s trace)."""
+        if not torch.compiler.is_compiling():
+            self.last_ranking = ranking.pages[:n_unstable]
 
     # -- profile="auto" (online.py) -----------------------------------------------------------------
     def observe_prefill(self, query: torch.Tensor, attention_mask) -> None:
         """Zero warm-up: hand the prefill queries `[B, Hq, T, D]` to the online classifier."""
-        _, page_valid = self.owner.padding_info(attention_mask, self.length, self.cfg.page_size)
-        self.owner.auto.observe_prefill(self.layer_idx, query, self.groups[0].store, page_valid)
+        self.owner.auto.observe_prefill(self.layer_idx, query, self.store, attention_mask)
 
     # -- accounting ------------------------------------------------------------------------------
-    def stores(self):
-        return [g.store for g in self.groups if g.store is not None]
+    def decode_steps(self) -> int:
+        """Decode steps since the last prompt."""
+        return self.owner.host_length(self) - self.prompt_end
+
+    def counts(self) -> dict:
+        """Rankings and promotions of this layer so far (`FlexiCache.stats`)."""
+        steps = self.turn_steps + [self.decode_steps()]
+        rows = self.store.rows if self.store is not None else None
+        n_e = 0 if rows is None else rows.n_unstable
+        n_s = 0 if rows is None else rows.n_stable
+        return {
+            "decode_steps": sum(steps),
+            "unstable_rows_ranked": n_e * sum(steps),
+            "stable_rows_ranked": sum(ranked_rows(s, n_s, self.cfg.rerank_interval) for s in steps),
+            "pages_promoted": 0 if self.store is None else int(self.promoted),
+        }
 
     def dense_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every token's K/V `[B, H, L, D]`, assembled from both tiers (for tests and inspection)."""
-        k = torch.empty(self.batch, self.num_kv_heads, self.length, self.head_dim, dtype=self.dtype, device=self.device)
-        v = torch.empty(self.batch, self.num_kv_heads, self.length, self.value_dim, dtype=self.dtype, device=self.device)
-        for group in self.groups:
-            gk, gv = group.store.dense()
-            k[:, group.head_index] = gk
-            v[:, group.head_index] = gv
-        return k, v
+        """Every token's K/V `[B, H, L, D]` (for tests and inspection)."""
+        k, v = self.store.dense()
+        return k.clone(), v.clone()

@@ -15,8 +15,6 @@ import math
 
 import torch
 
-from . import kernels
-from .errors import FlexiCacheError
 from .selection import POS_INF
 from .stability import count_unstable, select_unstable, temporal_stability
 
@@ -98,43 +96,44 @@ class OnlineClassifier:
             self.valid[layer] = torch.zeros(slots, batch, dtype=torch.int32, device=device)
         return self.topk[layer], self.valid[layer]
 
-    def record_step(self, layer: int, step: int, sel: torch.Tensor, num_pages: int,
-                    page_valid: torch.Tensor | None, batch: int) -> None:
-        """Keep layer `layer`'s selection `sel [B*H, <=K]` of decode step `step` (no device sync)."""
+    def record_step(self, layer: int, step: int, sel: torch.Tensor, bias, batch: int) -> None:
+        """Keep layer `layer`'s selection `sel [B*H, K]` of decode step `step` and, from the step's masks `bias`
+        (`StepBias`), the pages each sequence has (no device sync). A page the selection filled up with, one that does
+        not exist yet, is recorded as none (-1)."""
         slot = step - self.start - 1
         if self.done or not 0 <= slot < self.period:
             return
         topk, valid = self._buffers(layer, self.period, sel.shape[0], batch, sel.device)
-        topk[slot, :, : sel.shape[1]] = sel
+        topk[slot, :, : sel.shape[1]] = torch.where(sel <= bias.page, sel, -1)
         topk[slot, :, sel.shape[1]:] = -1
-        if page_valid is None:
-            valid[slot] = num_pages
-        else:
-            valid[slot] = page_valid.sum(dim=1)
+        valid[slot] = bias.valid_pages()
         self.filled[layer] = slot + 1
 
-    def observe_prefill(self, layer: int, query: torch.Tensor, store, page_valid: torch.Tensor | None) -> None:
+    def observe_prefill(self, layer: int, query: torch.Tensor, store, attention_mask) -> None:
         """Trace the prompt's last `OBSERVED_QUERIES` positions of one layer at prefill (zero warm-up): each position's
         top-K by the page score with a decode step's forcing (not refined: that would read every candidate's keys for
-        every position). `query [B, Hq, T, D]`, the layer's warm-up `store`, `page_valid [B, Np]` or None."""
+        every position). `query [B, Hq, T, D]`, the layer's warm-up `store`, the prefill's mask (`[B, 1, T, L]`) or
+        None."""
         if not self.observing or self.done:
             return
         b, hq, t, d = query.shape
-        h, p = self.num_kv_heads, store.page_size
+        h, p, sub = self.num_kv_heads, store.page_size, store.subpages
         w = min(OBSERVED_QUERIES, t)
         n, g = b * h, hq // h
-        positions = torch.arange(store.length - w, store.length, device=query.device)  # absolute token positions
+        length = store.length
+        positions = torch.arange(length - w, length, device=query.device)  # absolute token positions
         current = positions // p  # the page being filled at each position
         num_pages = int(current[-1]) + 1
         q = query[:, :, t - w :].reshape(b, h, g, w, d).reshape(n, g * w, d)
-        sub = store.minmax.subpages
         # The Quest bound of every sub-page, max over the sub-pages of a page and over the group (`PageSelector`).
-        bounds = kernels.torch_backend.bounds_per_head(q, store.meta, num_pages * sub)  # [N, G*w, Np*S]
+        q2 = torch.cat([q.float().clamp(min=0), q.float().clamp(max=0)], dim=-1)
+        bounds = torch.matmul(q2, store.meta[:, :, : num_pages * sub].float())  # [N, G*w, Np*S]
         bounds = bounds.view(n, g, w, num_pages, sub).amax(dim=(1, 4))  # [N, w, Np]
         allowed = torch.arange(num_pages, device=query.device)[None, :] <= current[:, None]  # causal, [w, Np]
         allowed = allowed[None].expand(n, w, num_pages)
+        page_valid = _page_valid(attention_mask, length, num_pages, p)
         if page_valid is not None:
-            allowed = allowed & page_valid[:, None, :num_pages].repeat_interleave(h, dim=0)
+            allowed = allowed & page_valid[:, None, :].repeat_interleave(h, dim=0)
         scores = bounds.masked_fill(~allowed, float("-inf"))
         topk, valid = self._buffers(layer, max(self.period, w), n, b, query.device)
         topk[:w] = -1
@@ -142,11 +141,11 @@ class OnlineClassifier:
         for c in current.unique().tolist():  # a handful of pages: the window spans about w / P of them
             idx = (current == c).nonzero().flatten()
             s = scores[:, idx, : c + 1].reshape(-1, c + 1).clone()  # [N * |idx|, c + 1]
-            # The forcing a decode step applies (PageSelector.scores), relative to this position's page.
+            # The forcing a decode step applies (`StepBias`), relative to this position's page.
             s[:, c] = POS_INF
             pv = None if page_valid is None else page_valid[:, : c + 1].repeat_interleave(h * idx.numel(), dim=0)
-            s = kernels.force_sink_pages(s, self.cfg.sink_pages, pv)
-            chosen = kernels.select_topk(s, self.k).view(n, idx.numel(), -1)
+            s = _force_sink(s, self.cfg.sink_pages, pv)
+            chosen = s.topk(min(self.k, c + 1), dim=-1).indices.view(n, idx.numel(), -1)
             topk[idx, :, : chosen.shape[-1]] = chosen.transpose(0, 1).to(topk.dtype)
         self.filled[layer] = w
 
@@ -202,7 +201,9 @@ class OnlineClassifier:
         self.window_used = self.ts_window()
         self.samples = len(samples)
         self.classified_after_step = step
-        self.topk, self.valid, self.filled = {}, {}, {}  # the trace is not needed any more
+        # The trace stays until each layer has re-split its heads (`regroup` takes a stable row's last ranking from it).
+        self.final_trace = self.topk
+        self.topk, self.valid, self.filled = {}, {}, {}
         return self.unstable
 
     def unstable_in(self, layer: int) -> set[int]:
@@ -246,32 +247,86 @@ class OnlineClassifier:
         }
 
 
+def _page_valid(attention_mask, length: int, num_pages: int, page_size: int) -> torch.Tensor | None:
+    """`[B, Np]`: pages with an attendable token, from a prefill's mask (its last query row), or None."""
+    if not isinstance(attention_mask, torch.Tensor):
+        return None
+    row = attention_mask[:, 0, -1, :length]
+    ok = row if row.dtype == torch.bool else row >= 0
+    padded = ok.new_zeros(ok.shape[0], num_pages * page_size)
+    padded[:, :length] = ok
+    return padded.view(ok.shape[0], num_pages, page_size).any(-1)
+
+
+def _force_sink(scores: torch.Tensor, sink_pages: int, page_valid: torch.Tensor | None) -> torch.Tensor:
+    """+inf on each row's first `sink_pages` attendable pages (`StepBias`'s forcing), in place."""
+    pages = scores.shape[-1]
+    sink = min(int(sink_pages), pages)
+    if sink <= 0:
+        return scores
+    if page_valid is None:
+        scores[:, :sink] = POS_INF
+        return scores
+    first = page_valid.to(torch.int8).argmax(dim=1, keepdim=True)
+    idx = (first + torch.arange(sink, device=scores.device)).clamp_(max=pages - 1)
+    return scores.scatter_(1, idx, torch.where(page_valid.gather(1, idx), POS_INF, float("-inf")).to(scores.dtype))
+
+
 def regroup(layer, unstable: set[int]) -> None:
-    """Re-split `layer`'s heads (one warm-up group) into the groups a cache built with `unstable` would have, keeping
-    every token: each new group's store receives its heads' K/V as a prompt's, then takes their last selection (and
-    carried candidates) as its own, moving tiers as that ranking would have."""
-    if len(layer.groups) != 1:
-        raise FlexiCacheError("FlexiCache bug: profile='auto' re-splits a layer whose heads form one warm-up group.")
-    warm = layer.groups[0]
-    layer.owner.auto.warmup_rankings += warm.rankings
-    layer.regrouped_after_step = layer.steps
-    if not layer.is_initialized:
-        layer.groups = layer._make_groups(unstable, set())
+    """Re-split `layer`'s heads (all unstable during the warm-up) into the kinds a cache built with `unstable` has,
+    keeping every token: a new store receives the K/V held as a prompt's; each stable row's window takes the warm-up's
+    ranking of the step at which a from-start cache last ranked that row (`fc_hf/schedule.py`), and the pages opened
+    since; the carried candidates stay."""
+    from .rows import HeadKinds
+    from .schedule import last_ranking_step, phase_of
+    from .tiers import move_windows
+
+    auto = layer.owner.auto
+    steps = layer.decode_steps()
+    layer.regrouped_after_step = steps
+    old_store, carried = layer.store, layer.selector
+    kinds = HeadKinds.split(layer.num_kv_heads, unstable, set())
+    if old_store is None:
+        layer.kinds = kinds
         return
-    k, v = layer.dense_kv()
-    layer.groups = layer._make_groups(unstable, set())
+    auto.warmup_rankings += old_store.n * steps
+    k, v = old_store.dense()
+    held, prompt_end = layer.owner.host_length(layer), layer.prompt_end
+    before = layer.device_bytes()
+    layer.kinds = kinds
+    layer._build(old_store.batch, old_store.capacity)
+    store = layer.store
+    layer.owner.ledger.resized(before, 0)
+    store.write_prompt(k, v)
+    layer.prompt_end_t.fill_(prompt_end)
+    layer.selector.carried_pages.copy_(carried.carried_pages)
+    layer.selector.carried_scores.copy_(carried.carried_scores)
+    layer.rank_all = steps == 0 and bool(kinds.stable)  # classified from the prefill: the first step ranks them all
+    store.aim_windows(held)
+    trace = auto.final_trace.pop(layer.layer_idx, None)
+    rows = store.rows
+    if trace is None or not rows.n_stable or steps == 0:
+        return
+    r = layer.cfg.rerank_interval
+    scratch = torch.zeros((), dtype=torch.long, device=store.device)
+    for j in range(rows.n_stable):  # the step of each stable row's last ranking in a from-start cache
+        last = last_ranking_step(phase_of(j, rows.n_stable, r), steps, r)
+        slot = max(0, last - auto.start - 1)
+        local = torch.tensor([j], device=store.device)
+        row = rows.stable[j : j + 1]
+        page = torch.tensor((prompt_end + last - 1) // store.page_size, device=store.device)
+        pages = trace[slot].index_select(0, row).long()
+        pages = torch.where(pages >= 0, pages, page + 1)  # none: a page that does not exist then
+        move_windows(store, local, row, pages, page, scratch)
+    _fill_later_pages(store, held)
 
-    def rows(t, idx):  # a warm-up tensor's rows `[B * H, X]` of the heads `idx`
-        t = t.view(layer.batch, layer.num_kv_heads, -1)
-        return t.index_select(1, idx).reshape(-1, t.shape[-1])
 
-    carried = warm.selector.carried
-    for group in layer.groups:
-        group.init_store(layer.batch, layer.head_dim, layer.value_dim, layer.dtype, layer.device, layer.owner.ledger)
-        idx = group.head_index
-        group.append(k.index_select(1, idx), v.index_select(1, idx), prompt=True)
-        if warm.sel is not None:
-            group.adopt_selection(rows(warm.sel, idx), warm.pages_at_rank,
-                                  None if carried is None else tuple(rows(t, idx) for t in carried))
-    warm.store.free_device()
-    warm.store = None
+def _fill_later_pages(store, length: int) -> None:
+    """Copy into each stable row's window the tokens of the pages opened since its ranking (positions K, K + 1, ...)."""
+    k, p, n_s = store.cfg.pages_per_head, store.page_size, store.rows.n_stable
+    later = store.win_pages[:n_s, k:]  # [N_S, W - K]
+    exists = (later >= 0) & (later * p < length)
+    source = (store.rows.stable[:, None] * store.pages + torch.where(exists, later, 0)).view(-1)
+    for full, win, dim in ((store.full_k, store.win_k, store.head_dim), (store.full_v, store.win_v, store.value_dim)):
+        pages = full.view(-1, p, dim).index_select(0, source).view(n_s, -1, dim)
+        win[:n_s, k * p :] = pages

@@ -49,6 +49,15 @@ def in_prefill(depth: int = 48) -> bool:
     return _generation_frame(PREFILL, depth) is not None
 
 
+def generate_max_length(depth: int = 48) -> int | None:
+    """`generation_config.max_length` of the `generate` call the caller runs in (its prompt stage), else None: the
+    tokens per sequence that call will hold, what `StaticCache` is sized to."""
+    frame = _generation_frame(PREFILL, depth)
+    config = None if frame is None else frame.f_locals.get("generation_config")
+    length = getattr(config, "max_length", None)
+    return length if isinstance(length, int) and length > 0 else None
+
+
 def assisted_loop_prompt(depth: int = 6) -> torch.Tensor | None:
     """The prompt ids `[B, L]` of transformers' assisted loop when the caller runs in it, else None."""
     return assisted_loop(depth)[0]

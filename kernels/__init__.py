@@ -4,10 +4,8 @@ Installed as `fc_hf.kernels` (the repository folder is `kernels/`; see pyproject
 
 | module | what it owns |
 |---|---|
-| `dispatch.py` | the public functions: Triton on CUDA tensors, the PyTorch backend otherwise (`FLEXICACHE_BACKEND=torch|triton` forces either) |
-| `torch_backend.py` | the PyTorch implementation: the CPU production path and the reference the Triton kernels are tested against; `GatherWorkspace` (per-cache gather buffers) |
-| `score.py`, `decode.py`, `refine.py`, `append.py` | Triton kernels: page scoring, flash-decoding over selected pages, the exact mass of refinement's candidate pages, the decode append |
-| `checks.py` | input checks and accepted dtypes shared by the Triton launchers |
+| `dispatch.py` | the decode step's primitives as the core calls them: the PyTorch backend, or a Triton kernel where one serves (`FLEXICACHE_BACKEND=torch|triton` forces either) |
+| `torch_backend.py` | the PyTorch implementation: the CPU production path and the reference the Triton kernels are tested against |
 | `bruteforce.py` | literal-formula oracles for tests only (never called in production) |
 
 The folder shares its name with Hugging Face's `kernels` package, which transformers >= 5.25 imports with every model
@@ -45,11 +43,8 @@ if __name__ == "kernels" and (_spec := _installed_kernels()) is not None:
         del sys.modules["kernels"]
         raise
 else:
-    from .dispatch import (append_token, backend_for, candidate_mass, force_sink_pages, promotion_plan, score_pages,
-                           select_topk, sparse_decode_attention)
-    from .torch_backend import GatherWorkspace
+    from .dispatch import (attention, attention_from_logits, backend_for, candidate_mass, gather_pages, page_scores,
+                           subpage_minmax)
 
-    __all__ = [
-        "GatherWorkspace", "append_token", "backend_for", "candidate_mass", "force_sink_pages", "promotion_plan",
-        "score_pages", "select_topk", "sparse_decode_attention",
-    ]
+    __all__ = ["attention", "attention_from_logits", "backend_for", "candidate_mass", "gather_pages", "page_scores",
+               "subpage_minmax"]

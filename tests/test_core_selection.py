@@ -7,13 +7,14 @@ import torch
 from conftest import left_padded_batch, tiny_model
 
 from fc_hf import FlexiCache, FlexiCacheConfig, HeadProfile
-from fc_hf.kernels import bruteforce, torch_backend as ref
+from fc_hf.kernels import bruteforce, torch_backend
 
 
 def _random_pages(n, pages, page_size, d, seed=0):
+    """Random keys `[N, Np, P, D]` and their MinMax entries in the store's layout `[N, 2D, Np]` (kmax then kmin)."""
     g = torch.Generator().manual_seed(seed)
     keys = torch.randn(n, pages, page_size, d, generator=g)
-    return keys, torch.cat([keys.amax(2), keys.amin(2)], -1)
+    return keys, torch.cat([keys.amax(2), keys.amin(2)], -1).transpose(1, 2)
 
 
 @pytest.mark.parametrize("groups", [1, 3, 7])
@@ -21,75 +22,35 @@ def test_score_equals_literal_formula_and_is_an_upper_bound(groups):
     n, pages, p, d = 4, 9, 5, 16
     keys, meta = _random_pages(n, pages, p, d)
     q = torch.randn(n, groups, d)
-    s = ref.score_pages(q, meta, pages)
-    brute = bruteforce.score_pages_bruteforce(q, meta[..., d:], meta[..., :d])
+    bias = torch.zeros(n, pages)
+    bias[:, -1] = float("inf")  # the page being filled is forced in through the bias
+    s = torch_backend.page_scores(q, meta, bias, subpages=1)
+    brute = bruteforce.score_pages_bruteforce(q, meta[:, d:].transpose(1, 2), meta[:, :d].transpose(1, 2))
     torch.testing.assert_close(s[:, :-1], brute[:, :-1], rtol=1e-5, atol=1e-5)
-    assert torch.isinf(s[:, -1]).all() and (s[:, -1] > 0).all()  # the page being filled is forced in
+    assert torch.isinf(s[:, -1]).all() and (s[:, -1] > 0).all()
     true_max = torch.einsum("ngd,nptd->ngpt", q, keys).amax(-1).amax(1)  # max over the group and the page
     assert (brute >= true_max - 1e-5).all()
 
 
-def test_invalid_pages_are_never_preferred():
+def test_sub_page_scores_are_the_max_over_the_sub_pages():
+    n, pages, p, d, s = 3, 6, 8, 8, 2
+    keys, _ = _random_pages(n, pages, p, d)
+    sub = keys.view(n, pages * s, p // s, d)
+    meta = torch.cat([sub.amax(2), sub.amin(2)], -1).transpose(1, 2)
+    q = torch.randn(n, 2, d)
+    got = torch_backend.page_scores(q, meta, torch.zeros(n, pages * s), subpages=s)
+    per_sub = bruteforce.score_pages_bruteforce(q, meta[:, d:].transpose(1, 2), meta[:, :d].transpose(1, 2))
+    torch.testing.assert_close(got, per_sub.view(n, pages, s).amax(-1), rtol=1e-5, atol=1e-5)
+
+
+def test_pages_without_an_attendable_token_are_never_preferred():
     n, pages, d = 2, 6, 8
     _, meta = _random_pages(n, pages, 4, d)
-    valid = torch.ones(n, pages, dtype=torch.bool)
-    valid[:, :3] = False
-    s = ref.score_pages(torch.randn(n, 1, d), meta, pages, valid)
+    bias = torch.zeros(n, pages)
+    bias[:, :3] = float("-inf")
+    s = torch_backend.page_scores(torch.randn(n, 1, d), meta, bias, subpages=1)
     assert torch.isneginf(s[:, :3]).all()
-    top = ref.select_topk(s, 3)
-    assert set(top[0].tolist()) == {3, 4, 5}
-
-
-def test_select_topk_invariants():
-    s = torch.randn(5, 20)
-    s[:, -1] = float("inf")
-    top = ref.select_topk(s, 6)
-    assert top.shape == (5, 6)
-    assert (top == 19).any(1).all()  # current page always in
-    assert all(len(set(r.tolist())) == 6 for r in top)  # K distinct pages
-    few = ref.select_topk(torch.randn(3, 4), 6)  # fewer pages than K: all of them
-    assert few.shape == (3, 4) and all(sorted(r.tolist()) == [0, 1, 2, 3] for r in few)
-
-
-@pytest.mark.parametrize(
-    "batch,kv_heads,groups,d,length,page_size,m",
-    [(1, 1, 1, 8, 13, 4, 2), (2, 3, 3, 16, 37, 8, 3), (3, 2, 7, 12, 50, 16, 4), (1, 4, 2, 64, 100, 16, 5)],
-    ids=["B1-H1-G1", "B2-H3-G3", "B3-H2-G7", "B1-H4-G2-D64"],
-)
-def test_sparse_attention_matches_bruteforce(batch, kv_heads, groups, d, length, page_size, m):
-    """Paged gather through permuted slots == dense attention masked to the selected pages' tokens."""
-    g = torch.Generator().manual_seed(1)
-    n = batch * kv_heads
-    pages = math.ceil(length / page_size)
-    keys = torch.randn(n, pages * page_size, d, generator=g)
-    values = torch.randn(n, pages * page_size, d, generator=g)
-    # Scatter pages into a pool in a random order; slot 0 stays the (NaN-free) null block.
-    perm = torch.randperm(n * pages, generator=g) + 1
-    k_pool = torch.full((n * pages + 1, page_size, d), float("nan"))
-    v_pool = torch.full_like(k_pool, float("nan"))
-    k_pool[0] = 0
-    v_pool[0] = 0
-    table = perm.view(n, pages)
-    k_pool[table] = keys.view(n, pages, page_size, d)
-    v_pool[table] = values.view(n, pages, page_size, d)
-    # Distinct pages per row (selections never repeat a page), the partial last page first.
-    others = [torch.randperm(pages - 1, generator=g)[: m - 1] for _ in range(n)]
-    page_idx = torch.stack([torch.cat([torch.tensor([pages - 1]), o]) for o in others])
-    page_idx[0, -1] = -1  # an unused entry
-    slots = table.gather(1, page_idx.clamp(min=0)).masked_fill(page_idx < 0, 0)
-    token_valid = torch.ones(batch, length, dtype=torch.bool)
-    token_valid[-1, :5] = False  # left padding of the last sequence
-    q = torch.randn(n, groups, d, generator=g)
-    out = ref.sparse_decode_attention(q, k_pool, v_pool, slots, page_idx, length, 0.3, token_valid, kv_heads)
-    allowed = torch.zeros(n, pages * page_size, dtype=torch.bool)
-    for row in range(n):
-        for p in page_idx[row].tolist():
-            if p >= 0:
-                allowed[row, p * page_size : (p + 1) * page_size] = True
-    allowed[:, length:] = False
-    allowed &= torch.nn.functional.pad(token_valid, (0, pages * page_size - length)).repeat_interleave(kv_heads, 0)
-    brute = bruteforce.dense_attention_bruteforce(q, keys, values, allowed, 0.3)
-    torch.testing.assert_close(out, brute, rtol=1e-4, atol=1e-5)
+    assert set(torch.topk(s, 3).indices[0].tolist()) == {3, 4, 5}
 
 
 def _decode(model, cache, ids, mask, steps):
@@ -102,27 +63,40 @@ def _decode(model, cache, ids, mask, steps):
     return out
 
 
-@pytest.mark.parametrize("interval,steps", [(4, 17), (16, 40), (1, 5)])
+@pytest.mark.parametrize("interval,steps", [(4, 17), (16, 40), (1, 5), (3, 30)])
 def test_rerank_schedule(interval, steps, monkeypatch):
-    """Stable heads rank at step 1 and every `interval` steps; unstable heads every step; all-stable
-    layers do no scoring in between."""
-    import fc_hf.kernels as kernels
+    """Unstable rows rank every step; each stable row at step 1 and then every `interval` steps at its own phase, the
+    same number of stable rows (padded) at every step after the first."""
+    from fc_hf.schedule import phase_of, rows_per_step
+    from fc_hf.selection import PageSelector as Selector
 
-    model = tiny_model("llama", layers=2)
+    model = tiny_model("llama", layers=2, heads=6, kv_heads=3)
     profile = HeadProfile.from_unstable(model.config, [(0, 0)])  # layer 0 mixed, layer 1 all stable
     cache = FlexiCache(model.config, FlexiCacheConfig(page_size=4, token_budget=8, rerank_interval=interval), profile)
     calls = []
-    real = kernels.score_pages
-    monkeypatch.setattr(kernels, "score_pages", lambda q, *a, **k: calls.append(q.shape[0]) or real(q, *a, **k))
-    ids, mask = left_padded_batch(1, 30)
+    real = Selector.rank
+    monkeypatch.setattr(Selector, "rank", lambda self, q, rows, *a: calls.append(rows.clone()) or real(self, q, rows, *a))
+    ids, mask = left_padded_batch(2, 30)
     _decode(model, cache, ids, mask, steps)
-    due = sum(1 for s in range(1, steps + 1) if s == 1 or s % interval == 0)
     stats = cache.stats()
     assert stats["decode_steps"] == steps
-    assert stats["reranks_stable"] == 2 * due  # layer 0's stable group + layer 1
-    assert stats["reranks_unstable"] == steps  # layer 0's unstable group, every step
-    assert len(calls) == steps + 2 * due
-    assert cache.layers[1].groups[0].rankings == due
+    assert len(calls) == 2 * steps  # both layers rank at every step (unstable rows, stable rows of the phase)
+    n_rows = 2 * 3  # batch 2 x 3 KV heads
+    for layer in range(2):
+        stable = [r for r in range(n_rows) if not (layer == 0 and r % 3 == 0)]
+        per_step = [calls[2 * s + layer] for s in range(steps)]
+        for s, rows in enumerate(per_step, start=1):
+            ranked = {int(r) for r in rows if r < n_rows}
+            due = {r for j, r in enumerate(stable)
+                   if s == 1 or (s >= 2 and s % interval == phase_of(j, len(stable), interval))}
+            assert ranked - set(range(0, n_rows, 3) if layer == 0 else ()) == due, (layer, s)
+            if s > 1:  # the same work at every step after the first
+                assert rows.numel() == (2 if layer == 0 else 0) + rows_per_step(len(stable), interval)
+    expected_stable = sum(1 for layer in range(2) for s in range(1, steps + 1)
+                          for j in range(4 if layer == 0 else 6)
+                          if s == 1 or (s >= 2 and s % interval == phase_of(j, 4 if layer == 0 else 6, interval)))
+    assert stats["reranks_stable"] == expected_stable
+    assert stats["reranks_unstable"] == 2 * steps  # layer 0's two unstable rows, every step
 
 
 def test_stable_heads_read_pages_created_since_rank():
@@ -130,11 +104,12 @@ def test_stable_heads_read_pages_created_since_rank():
     profile = HeadProfile.from_unstable(model.config, [])
     cache = FlexiCache(model.config, FlexiCacheConfig(page_size=4, token_budget=8, rerank_interval=16), profile)
     ids, mask = left_padded_batch(1, 40)
-    _decode(model, cache, ids, mask, 9)  # ranked at step 1 (41 tokens = 11 pages), now 49 tokens = 13 pages
-    group = cache.layers[0].groups[0]
-    pages = group.pages_for_step(9, None, None)  # not due: no scoring needed
-    assert group.sel.shape[1] == 2 and group.pages_at_rank == 11
-    assert sorted(pages[0].tolist()[2:]) == [11, 12]
+    _decode(model, cache, ids, mask, 9)  # ranked at step 1 (41 tokens: page 10 being filled), now 49 tokens
+    store = cache.layers[0].store
+    window = store.win_pages[0].tolist()  # [K - 1 ranked pages, the page then being filled, the pages opened since]
+    k = 2
+    assert window[k - 1] == 10 and window[k : k + 2] == [11, 12]
+    assert store.window >= k + 2
 
 
 def test_low_budget_changes_output_but_stays_finite(no_grad):

@@ -23,8 +23,8 @@ from hypothesis import strategies as st
 from selection_oracle import run_case
 
 import fc_hf.selection as selection
-from fc_hf.minmax import MinMaxCache
-from fc_hf.paged_store import PagedKV
+import fc_hf.store as store_module
+from fc_hf.step_bias import StepBias
 
 EXAMPLES = int(os.environ.get("FLEXICACHE_HYPOTHESIS_EXAMPLES", "30"))
 SETTINGS = settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
@@ -50,7 +50,7 @@ def cases(draw):
         page_size=page_size,
         token_budget=k * page_size,
         rerank_interval=draw(st.integers(1, 7)),
-        offload=draw(st.integers(0, 3)) > 0,  # mostly tiered, so promotions happen (and go through the fake)
+        offload=draw(st.integers(0, 3)) > 0,  # mostly tiered
         promotion=draw(st.sampled_from(["sync", "deferred"])),
         refine_pages=draw(st.sampled_from([0, None, None, k + draw(st.integers(1, 4))])),  # None: the default, 2K
         carry_pages=draw(st.sampled_from([None, None, 0, 2])),  # None: the default, max(1, K // 8)
@@ -66,7 +66,6 @@ def cases(draw):
         reorders={s: [draw(st.integers(0, batch - 1)) for _ in range(batch)] for s in sorted(reorder_steps)},
         scaling=draw(st.sampled_from([0.1, head_dim**-0.5, 1.0])),
         seed=draw(st.integers(0, 2**16)),
-        deferred_copies=draw(st.integers(0, 3)) > 0,  # tier copies mostly through the deferred fake (tests/deferred_transfers.py)
     )
 
 
@@ -106,42 +105,41 @@ CARRY = {**_case(refine_pages=9, carry_pages=2), "unstable": [(0, 0)], "decode":
 
 
 def test_mutant_kmax_kmin_swapped_in_scoring(monkeypatch):
-    real = selection.kernels.score_pages
+    real = selection.kernels.page_scores
 
     def swapped(query, meta, *args, **kwargs):
-        d = meta.shape[-1] // 2
-        return real(query, torch.cat([meta[..., d:], meta[..., :d]], -1), *args, **kwargs)
+        d = meta.shape[1] // 2
+        return real(query, torch.cat([meta[:, d:], meta[:, :d]], 1), *args, **kwargs)
 
-    monkeypatch.setattr(selection.kernels, "score_pages", swapped)
+    monkeypatch.setattr(selection.kernels, "page_scores", swapped)
     with pytest.raises(AssertionError, match="^selection"):
         run_case(_case())
 
 
 def test_mutant_kmax_kmin_swapped_when_written(monkeypatch):
-    real = MinMaxCache.write
+    real = store_module.PageStore.write_meta
 
-    def swapped(self, first, keys):
-        real(self, first, keys)
-        d, s = keys.shape[-1], self.subpages
-        entries = self.meta_t[:, :, first * s : (first + keys.shape[1]) * s]
+    def swapped(self, first, end):
+        real(self, first, end)
+        s, d = self.subpages, self.head_dim
+        entries = self.meta[:, :, first * s : end * s]
         entries.copy_(torch.cat([entries[:, d:], entries[:, :d]], 1))
 
-    monkeypatch.setattr(MinMaxCache, "write", swapped)
+    monkeypatch.setattr(store_module.PageStore, "write_meta", swapped)
     with pytest.raises(AssertionError, match="^metadata after prefill"):
         run_case(_case())
 
 
 def _stale_metadata_after_reorder(monkeypatch):
     """Mutant: beam reorders move the pages but not the MinMax cache."""
-    real = PagedKV.select_rows
+    real = store_module.PageStore.select_rows
 
     def stale(self, batch_index):
-        old = self.minmax.meta_t
-        row_map = real(self, batch_index)
-        self.minmax.meta_t = old
-        return row_map
+        old = self.meta.clone()
+        real(self, batch_index)
+        self.meta.copy_(old)
 
-    monkeypatch.setattr(PagedKV, "select_rows", stale)
+    monkeypatch.setattr(store_module.PageStore, "select_rows", stale)
 
 
 def test_mutant_stale_metadata_after_reorder(monkeypatch):
@@ -161,21 +159,33 @@ def test_mutant_stale_metadata_caught_by_selection_alone(monkeypatch):
 
 
 def test_mutant_sink_one_page_late(monkeypatch):
-    real = selection.kernels.force_sink_pages
+    real = StepBias.update
 
-    def late(scores, sink, page_valid=None):
-        real(scores[:, 1:], sink, None if page_valid is None else page_valid[:, 1:])
-        return scores
+    def late(self, mask, position):
+        real(self, mask, position)
+        entries = self.pages.view(self.batch, self.num_pages, self.subpages)
+        first = entries[:, :, 0]
+        sink = torch.isposinf(first) & (torch.arange(self.num_pages) != self.page)  # the sink pages
+        moved = torch.roll(sink, 1, dims=1)
+        first.masked_fill_(sink & ~moved, 0.0).masked_fill_(moved & ~sink, float("inf"))
 
-    monkeypatch.setattr(selection.kernels, "force_sink_pages", late)
+    monkeypatch.setattr(StepBias, "update", late)
     with pytest.raises(AssertionError, match="^selection"):
         run_case(_case())
 
 
 def test_mutant_refinement_skipped(monkeypatch):
     """refine_pages set, but the top K of the proposal score are kept as they are."""
-    monkeypatch.setattr(selection.PageSelector, "select", lambda self, scores, *a, **k: selection.kernels.select_topk(
-        scores, self.k))
+    real = selection.PageSelector.rank
+
+    def bound_only(self, *args):
+        refine, self.refine = self.refine, 0
+        try:
+            return real(self, *args)
+        finally:
+            self.refine = refine
+
+    monkeypatch.setattr(selection.PageSelector, "rank", bound_only)
     with pytest.raises(AssertionError, match="^selection"):
         run_case(_case(refine_pages=9))
 
@@ -191,9 +201,9 @@ def test_mutant_carried_successors_dropped(monkeypatch):
     """Only the carried pages themselves, not the page after each, become candidates."""
     real = selection.PageSelector._carry
 
-    def no_successor(self, *args):
-        real(self, *args)
-        self.carried[1][:, 1::2] = float("-inf")  # the successors' entries (after each page's own) carry nothing
+    def no_successor(self, rows, *args):
+        real(self, rows, *args)
+        self.carried_scores[:, 1::2] = float("-inf")  # the successors' entries (after each page's own) carry nothing
 
     monkeypatch.setattr(selection.PageSelector, "_carry", no_successor)
     with pytest.raises(AssertionError, match="^selection"):
@@ -201,11 +211,16 @@ def test_mutant_carried_successors_dropped(monkeypatch):
 
 
 def test_mutant_stable_heads_forget_pages_created_since_rank(monkeypatch):
-    from fc_hf.head_group import HeadGroup
+    """A window drops the pages opened after its ranking (they are not read)."""
+    real = store_module.PageStore.window_tokens
 
-    def forgetful(self):
-        return self.sel if self.sel is not None else torch.arange(self.store.num_pages).expand(self.store.rows, -1)
+    def forgetful(self, local=None):
+        k = self.cfg.pages_per_head
+        saved = self.win_pages[:, k:].clone()
+        self.win_pages[:, k:] = -1
+        real(self, local)
+        self.win_pages[:, k:] = saved
 
-    monkeypatch.setattr(HeadGroup, "_resident_pages", forgetful)
-    with pytest.raises(AssertionError, match="^read"):
+    monkeypatch.setattr(store_module.PageStore, "window_tokens", forgetful)
+    with pytest.raises(AssertionError, match="^attention"):
         run_case(_case(offload=False))

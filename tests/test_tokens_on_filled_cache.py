@@ -141,8 +141,8 @@ def test_auto_profile_classifies_across_chunks_and_turns():
             length += 1
             _check_state(cache, keys, values, length)
     assert cache.profile_found() is not None
-    kinds = {group.kind for layer in cache.flexi_layers for group in layer.groups}
-    assert kinds == {"stable", "unstable"}  # the warm-up's one group per layer was re-split
+    kinds = {layer.kinds.kind_of(h) for layer in cache.flexi_layers for h in range(layer.num_kv_heads)}
+    assert kinds == {"stable", "unstable"}  # the warm-up's all-unstable heads were re-split
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
@@ -200,18 +200,18 @@ def test_chunked_prefill_leaves_the_state_of_one_prefill(chunks):
     config = _tiny_config()
     profile = HeadProfile.from_unstable(config, [(0, 1)])  # layer 0 mixed, layer 1 all stable
     keys, values = _kv(100, 0)
-    one, chunked = FlexiCache(config, LOW, profile), FlexiCache(config, LOW, profile)
+    # The same capacity (generate gives both its max_length): shapes, and so every rounding, are the same.
+    one, chunked = FlexiCache(config, LOW, profile, max_cache_len=256), FlexiCache(config, LOW, profile, max_cache_len=256)
     _feed(one, keys, values, [100])
     _feed(chunked, keys, values, chunks)
     for a, b in zip(one.flexi_layers, chunked.flexi_layers):
         for x, y in zip(a.dense_kv(), b.dense_kv()):
             assert torch.equal(x, y)
-        for ga, gb in zip(a.groups, b.groups):
-            sa, sb = ga.store, gb.store
-            assert torch.equal(sa.meta[:, : sa.full_pages * sa.minmax.subpages], sb.meta[:, : sb.full_pages * sb.minmax.subpages])
-            if sa.tiered:  # the sink and the page being filled on the device, every full page on the host
-                assert sb.slots_in_use() == sb.rows * (LOW.sink_pages + 0) == sa.slots_in_use()
-                assert torch.equal(sa.host.host_k[: sa.host.pages], sb.host.host_k[: sb.host.pages])
+        sa, sb = a.store, b.store
+        full = 100 // LOW.page_size * sa.subpages
+        assert torch.equal(sa.meta[:, :, :full], sb.meta[:, :, :full])
+        assert a.rank_all == b.rank_all == bool(a.kinds.stable)  # the next step ranks every stable row
+        assert torch.equal(sa.win_shift, sb.win_shift)
     g = torch.Generator().manual_seed(5)
     for _ in range(8):  # then the same decode, step by step (re-ranks, promotions), bit for bit
         k, v = torch.randn(2, 2, 1, 16, generator=g), torch.randn(2, 2, 1, 16, generator=g)
@@ -221,21 +221,20 @@ def test_chunked_prefill_leaves_the_state_of_one_prefill(chunks):
 
 
 def _check_state(cache, keys, values, length):
-    """Device and host together hold exactly the tokens fed; MinMax entries are those of the pages; the ledger counts
-    exactly the pools allocated, and its peak is never below what is held."""
+    """The full tier holds exactly the tokens fed; the MinMax entries of every full page are those of its keys; the
+    ledger counts exactly the device tier allocated (every page of the unstable heads, the stable rows' windows), and
+    its peak is never below it."""
     held = 0
     for layer in cache.flexi_layers:
         assert layer.length == length
         k, v = layer.dense_kv()
         assert torch.equal(k, keys[:, :, :length]) and torch.equal(v, values[:, :, :length])
-        for group in layer.groups:
-            store = group.store
-            held += store.device_bytes()
-            full = store.full_pages
-            rows = keys[:, group.head_index, : full * store.page_size].reshape(store.rows, full * store.minmax.subpages, -1,
-                                                                              keys.shape[-1])
-            expect = torch.cat([rows.amax(2), rows.amin(2)], -1)
-            assert torch.equal(store.meta[:, : full * store.minmax.subpages], expect)
+        store = layer.store
+        held += store.tier_bytes()["device"]
+        full, s = length // store.page_size, store.subpages
+        rows = keys[:, :, : full * store.page_size].reshape(store.n, full * s, -1, keys.shape[-1])
+        expect = torch.cat([rows.amax(2), rows.amin(2)], -1).transpose(1, 2)
+        assert torch.equal(store.meta[:, :, : full * s], expect)
     assert cache.ledger.current == held
     assert cache.ledger.peak >= held
 
@@ -278,46 +277,30 @@ def test_random_chunks_turns_and_copies_keep_every_token(seed):
         _check_state(cache, keys, values, length)
 
 
-def test_chunked_prefill_under_deferred_transfers_equals_synchronous_copies():
-    """The read-back of stable pages and its prefetch ordered as on CUDA: the deferred fake (copies land only when
-    waited for, NaN until then) changes nothing."""
-    from deferred_transfers import deferred_transfers
-
-    model = tiny_model("llama")
-    ids, mask = _batch(2, 90)
-    refs = _conversation(model, FlexiCache(model.config, LOW, _mixed(model)), ids, mask, prefill_chunk_size=24)
-    with deferred_transfers() as created:
-        outs = _conversation(model, FlexiCache(model.config, LOW, _mixed(model)), ids, mask, prefill_chunk_size=24)
-    for out, ref in zip(outs, refs):
-        _same(out, ref, atol=0)
-    assert sum(s.issued.get("read_back", 0) for s in created) > 0
-
-
 def test_peak_with_chunks_is_the_design_bound():
-    """After a chunked prefill a stable group holds its sink and the page being filled; the counted peak is the pools
-    plus the largest one-layer read-back, far below dense's K/V."""
+    """The device tier is allocated once for the capacity: every page of the unstable heads, a window of the budget's
+    pages (plus the pages a re-rank interval opens) per stable row. A chunked prefill adds nothing on a CPU: a chunk
+    on a filled cache attends over views of the full tier. The peak is the allocation, far below dense's K/V."""
     from conftest import tiny_config
+
+    from fc_hf.store import window_pages
 
     config = tiny_config("llama", layers=8, heads=4, kv_heads=2, head_dim=16)
     profile = HeadProfile.from_unstable(config, [(layer, layer % 2) for layer in range(0, 8, 2)])  # 4 of 16 heads
     keys, values = _kv(400, 3)
-    cache = FlexiCache(config, LOW, profile)
+    cache = FlexiCache(config, LOW, profile, max_cache_len=400)
     _feed(cache, keys, values, [50] * 8)
     report = cache.memory_report()
     dense = report["dense_kv_bytes"]
-    per_token = dense // 400  # all 8 layers
-    unstable = dense // 4
-    stable_rows = 2 * 12  # sequences x stable heads: the sink page and no partial page (400 = 100 full pages)
-    spare = 2 * 16 * 4 * 2  # a few spare slots per store stay allocated
-    assert report["device_kv_bytes"] <= unstable * 1.1 + stable_rows * LOW.page_size * per_token // 16 + spare * 64
-    # The peak: the pools then plus the last chunk's read-back of one layer (350 earlier tokens and 50 new ones); where
-    # the host tier is copied to the device first (CUDA, or the deferred-transfer fake), plus that copy of the stable
-    # heads' pages of this layer and of the next one (prefetched).
-    one_layer_read = per_token // 8 * 400
-    staged = 2 * one_layer_read * 3 // 4 if cache.flexi_layers[0].groups[0].store.transfers.streams is not None else 0
-    assert one_layer_read <= report["peak_device_kv_bytes"] <= report["device_kv_bytes"] + one_layer_read + staged
-    # u + one layer (+ on CUDA the stable pages of this layer and the next: (1 - u) / layers each): 0.375 (0.56), spares
-    assert report["peak_device_kv_bytes"] < (0.6 if staged else 0.45) * dense
+    per_token_head = dense // (400 * 2 * 16)  # one sequence's one KV head's token, K and V
+    pages = 400 // LOW.page_size
+    stable_rows = 2 * 12  # sequences x stable heads
+    windows = (stable_rows + 8 * 0) * window_pages(LOW, pages) * LOW.page_size * per_token_head
+    extra_rows = sum(1 for layer in cache.flexi_layers if layer.kinds.stable) * window_pages(LOW, pages)
+    expected = 2 * 4 * 400 * per_token_head + windows + extra_rows * LOW.page_size * per_token_head
+    assert report["device_kv_bytes"] == expected
+    assert report["peak_device_kv_bytes"] == report["device_kv_bytes"]
+    assert report["peak_device_kv_bytes"] < 0.4 * dense
 
 
 def test_a_new_turn_with_another_batch_size_fails_clearly():
@@ -357,25 +340,6 @@ def test_a_short_attention_mask_is_refused_before_anything_is_written():
     assert all(isinstance(l, FlexiCacheLayer) for l in cache.layers)
 
 
-def test_read_back_into_heads_that_are_not_a_run():
-    """Groups whose heads interleave (unstable 0 and 2, stable 1 and 3): each writes its heads of the layer's read-back
-    in place; what the model gets back is every token in head order."""
-    from conftest import tiny_config
-
-    config = tiny_config("llama", layers=2, heads=8, kv_heads=4, head_dim=16)
-    profile = HeadProfile.from_unstable(config, [(0, 0), (0, 2), (1, 3)])
-    keys, values = _kv(90, 11, heads=4)
-    cache = FlexiCache(config, LOW, profile)
-    _feed(cache, keys, values, [33, 20, 37])  # `_feed` checks every returned K/V against what was fed
-    perm, _, _ = cache.flexi_layers[0]._head_order()
-    assert perm is not None  # the groups' heads are not runs: the indexed path ran
-    # One layer's read-back is the transient: K and V of 90 tokens of one layer, no per-group copies on top (where the
-    # host tier is first copied to the device, CUDA or the deferred fake: plus that copy for this layer and the next).
-    one_layer = 2 * 2 * 4 * 90 * 16 * 4
-    staged = 2 * one_layer if cache.flexi_layers[0].groups[0].store.transfers.streams is not None else 0
-    assert cache.ledger.peak <= cache.ledger.current + one_layer + staged
-
-
 def test_zero_warmup_auto_profile_observes_the_last_chunk():
     """profile="auto" with warmup_steps=0 classifies from the prompt's last 32 queries: with a chunked prefill the
     last chunk's (here 40 tokens), so it finds the set the one-prefill cache finds."""
@@ -404,7 +368,7 @@ def test_a_one_token_prefill_chunk_is_a_prompt_token(length):
     one, chunked = FlexiCache(model.config, cfg, _mixed(model)), FlexiCache(model.config, cfg, _mixed(model))
     ref = _generate(model, ids, mask, one, new=24)
     _same(_generate(model, ids, mask, chunked, new=24, prefill_chunk_size=64), ref, atol=1e-6)
-    assert [l.steps for l in chunked.flexi_layers] == [l.steps for l in one.flexi_layers] == [23, 23]
+    assert [l.decode_steps() for l in chunked.flexi_layers] == [l.decode_steps() for l in one.flexi_layers] == [23, 23]
 
 
 def test_a_one_token_turn_is_a_prompt_token():
@@ -420,12 +384,12 @@ def test_a_one_token_turn_is_a_prompt_token():
         # The answer's last token is not in the cache yet: generate on the answer feeds exactly that one token.
         turn, turn_mask = out.sequences, torch.cat([mask, torch.ones(1, 6, dtype=mask.dtype)], 1)
         assert turn.shape[1] - flexi.get_seq_length() == 1
-        steps = [l.steps for l in flexi.flexi_layers]
+        steps = [l.counts()["decode_steps"] for l in flexi.flexi_layers]
         held = DynamicCache(config=model.config)  # what the FlexiCache holds now, every token exactly
         for layer in flexi.flexi_layers:
             held.update(*layer.dense_kv(), layer.layer_idx)
         got = _generate(model, turn, turn_mask, flexi)
-        assert [l.steps for l in flexi.flexi_layers] == [s + 5 for s in steps]  # the turn's token is no decode step
+        assert [l.counts()["decode_steps"] for l in flexi.flexi_layers] == [s + 5 for s in steps]  # the turn: no step
         if cfg is FULL:
             _same(got, _generate(model, turn, turn_mask, dense))
         exact = model(input_ids=turn[:, -1:], attention_mask=turn_mask, **cache_kwargs(model, held)).logits[:, -1]

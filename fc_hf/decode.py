@@ -1,0 +1,161 @@
+"""The decode step of one FlexiCache layer: append the token, rank the rows due, move their windows, attend.
+
+Fixed shapes and device tensors only, no host number that changes from step to step and no host sync, so the step
+compiles once and replays (CUDA graphs), and an eager step is the same launches at every step. Per layer and step:
+- `append`: the token goes into every row's full tier, each stable row's window, and the MinMax entry of its sub-page;
+- `attend`: the unstable rows and this step's stable rows (`fc_hf/schedule.py`; all of them at the first step after a
+  prompt) rank in one `PageSelector.rank`; the stable rows that ranked get their new windows (`fc_hf/tiers.py`; with
+  `promotion="deferred"` after this step's attention, as the authors' vLLM version does); the unstable rows attend over
+  their chosen pages (re-using the ranking's logits), the stable rows over their windows, the streaming rows over
+  their sink and recent pages. `DecodeContext` carries what the step's layers share.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .kernels import dispatch as kernels
+from .schedule import due_rows
+from .selection import Ranking
+from .step_bias import StepBias
+from .tiers import move_windows
+
+
+@dataclass
+class DecodeContext:
+    """One forward's decode step on one device: the new token's `position` (a device scalar), the decode step `step`
+    since the last prompt (1-based, a device scalar), and the step's `bias`, filled from the mask by the first layer
+    that attends (`ready`)."""
+
+    position: torch.Tensor
+    step: torch.Tensor
+    bias: StepBias
+    ready: bool = field(default=False)
+
+    def masks(self, attention_mask) -> StepBias:
+        if not self.ready:
+            self.bias.update(attention_mask, self.position)
+            self.ready = True
+        return self.bias
+
+
+def append(layer, key: torch.Tensor, value: torch.Tensor, ctx: DecodeContext) -> None:
+    """Write one decode token `[B, H, 1, D]` at `ctx.position` into every row's full tier, each stable row's window
+    and the MinMax entry of the sub-page it falls in (recomputed from that sub-page's tokens)."""
+    store = layer.store
+    n, d, dv = store.n, store.head_dim, store.value_dim
+    pos = ctx.position
+    keys, values = key.reshape(n, d), value.reshape(n, dv)
+    at = layer.row_starts + pos
+    store.full_k.view(-1, d).index_copy_(0, at, keys)
+    store.full_v.view(-1, dv).index_copy_(0, at, values)
+    stable = store.rows.stable
+    if stable.numel():
+        slot = store.win_shift[: stable.numel()] + pos
+        store.win_k.view(-1, d).index_copy_(0, slot, keys.index_select(0, stable))
+        store.win_v.view(-1, dv).index_copy_(0, slot, values.index_select(0, stable))
+    sub_len = store.page_size // store.subpages
+    sub = (pos // sub_len).view(1)
+    store.meta.index_copy_(2, sub, kernels.subpage_minmax(store.full_k.view(n, -1, sub_len, d), sub))
+    store.length_t.add_(1)
+
+
+def attend(layer, query: torch.Tensor, ctx: DecodeContext, attention_mask, scaling: float,
+           softcap: float | None) -> torch.Tensor:
+    """One decode step's attention for `layer`, its token appended: `query [B, Hq, 1, D]` -> `[B, 1, Hq, Dv]`."""
+    store, selector, rows = layer.store, layer.selector, layer.store.rows
+    b, hq, _, d = query.shape
+    n, g = store.n, hq // store.heads
+    bias = ctx.masks(attention_mask)
+    q = query.reshape(n, g, d)
+    out = query.new_empty(n, g, store.value_dim)
+    n_e, n_s = rows.n_unstable, rows.n_stable
+    stable_ranked = None
+    if n_s and layer.rank_all:  # the first step after a prompt: every stable row, its new window at once
+        stable_ranked = layer.stable_all
+    elif n_s:
+        stable_ranked = due_rows(ctx.step, n_s, layer.cfg.rerank_interval, layer.places)
+    ranking = None
+    if n_e or stable_ranked is not None:
+        ranked = rows.unstable if stable_ranked is None else torch.cat(
+            [rows.unstable, layer.stable_rows.index_select(0, stable_ranked)])
+        ranking = selector.rank(q.index_select(0, ranked.clamp(max=n - 1)), ranked, store, bias, scaling)
+        layer.note_ranking(ranking, n_e)
+    if n_e:
+        _attend_unstable(layer, q, ranking, bias, scaling, softcap, out)
+    deferred = layer.cfg.promotion == "deferred" and not layer.rank_all
+    if n_s:
+        if not deferred:
+            _move(layer, ranking, stable_ranked, n_e, bias)
+        _attend_windows(layer, q, bias, scaling, softcap, out)
+        if deferred:
+            _move(layer, ranking, stable_ranked, n_e, bias)
+        layer.rank_all = False
+    if rows.n_streaming:
+        _attend_streaming(layer, q, bias, scaling, softcap, out)
+    return out.view(b, hq, store.value_dim).unsqueeze(1)
+
+
+def _move(layer, ranking: Ranking, stable_ranked: torch.Tensor, n_e: int, bias: StepBias) -> None:
+    store = layer.store
+    rows = layer.stable_rows.index_select(0, stable_ranked).clamp(max=store.n - 1)
+    move_windows(store, stable_ranked, rows, ranking.pages[n_e:], bias.page, layer.promoted)
+
+
+def _write(out: torch.Tensor, rows: torch.Tensor, every_row: bool, result: torch.Tensor) -> None:
+    if every_row:
+        out.copy_(result)
+    else:
+        out.index_copy_(0, rows, result)
+
+
+def _attend_unstable(layer, q, ranking: Ranking, bias: StepBias, scaling, softcap, out) -> None:
+    store, rows, backend = layer.store, layer.store.rows, layer.cfg.backend
+    n_e, p = rows.n_unstable, store.page_size
+    chosen = ranking.pages[:n_e]
+    k = chosen.shape[1]
+    at = (layer.unstable_page_starts + chosen).view(-1)
+    values = kernels.gather_pages(store.full_v.view(-1, p, store.value_dim), at, backend=backend).view(n_e, k * p, -1)
+    if ranking.logits is not None and softcap is None:  # the ranking's own logits of the chosen pages
+        logits = ranking.logits[:n_e]
+        g = logits.shape[1]
+        logits = logits.gather(2, ranking.top[:n_e, None, :, None].expand(n_e, g, k, p)).view(n_e, g, k * p)
+        result = kernels.attention_from_logits(logits, values, backend=backend)
+    else:
+        keys = kernels.gather_pages(store.full_k.view(-1, p, store.head_dim), at, backend=backend).view(n_e, k * p, -1)
+        seq = rows.batch_of.index_select(0, rows.unstable)
+        tok = bias.page_rows.index_select(0, (seq[:, None] * (store.pages + 1) + chosen).view(-1)).view(n_e, -1)
+        q_e = q if layer.every_row_unstable else q.index_select(0, rows.unstable)
+        result = kernels.attention(q_e, keys, values, tok, scaling, softcap, backend=backend)
+    _write(out, rows.unstable, layer.every_row_unstable, result)
+
+
+def _attend_windows(layer, q, bias: StepBias, scaling, softcap, out) -> None:
+    store, rows = layer.store, layer.store.rows
+    n_s = rows.n_stable
+    every = layer.every_row_stable
+    q_s = q if every else q.index_select(0, rows.stable)
+    tok = bias.flat.index_select(0, store.win_tok[:n_s].view(-1)).view(n_s, -1)
+    result = kernels.attention(q_s, store.win_k[:n_s], store.win_v[:n_s], tok, scaling, softcap,
+                               backend=layer.cfg.backend)
+    _write(out, rows.stable, every, result)
+
+
+def _attend_streaming(layer, q, bias: StepBias, scaling, softcap, out) -> None:
+    """The LServe-like baseline's streaming rows: the first `streaming_sink_pages` pages and the most recent ones, K in
+    all (every page while there are at most K)."""
+    store, rows, cfg = layer.store, layer.store.rows, layer.cfg
+    n_x, p, k = rows.n_streaming, store.page_size, min(cfg.pages_per_head, store.pages)
+    sink = cfg.streaming_sink_pages
+    recent = bias.page - (k - sink - 1) + layer.recent_offsets  # [K - sink]
+    pages = torch.where(bias.page < k, layer.first_pages, torch.cat([layer.first_pages[:sink], recent]))
+    at = (layer.streaming_page_starts + pages).view(-1)
+    keys = kernels.gather_pages(store.full_k.view(-1, p, store.head_dim), at, backend=cfg.backend).view(n_x, k * p, -1)
+    values = kernels.gather_pages(store.full_v.view(-1, p, store.value_dim), at, backend=cfg.backend).view(n_x, k * p, -1)
+    seq = rows.batch_of.index_select(0, rows.streaming)
+    tok = bias.page_rows.index_select(0, (seq[:, None] * (store.pages + 1) + pages).view(-1)).view(n_x, -1)
+    result = kernels.attention(q.index_select(0, rows.streaming), keys, values, tok, scaling, softcap,
+                               backend=cfg.backend)
+    out.index_copy_(0, rows.streaming, result)

@@ -1,0 +1,68 @@
+"""Which rows of a layer rank when: the kinds of a layer's KV heads and the row indices of each kind.
+
+A row is one (sequence, KV head) pair, numbered `b * H + h` (the model's `[B, H, ...]` order, kept by every per-row
+tensor of the store). A head is
+- "unstable" (`E`): ranked at every decode step, every page on the device;
+- "streaming" (`X`, the LServe-like baseline): attends to its sink and most recent pages, never ranked;
+- "stable" (`S`): ranked at the first decode step after a prompt, then every `rerank_interval` steps, each row at its
+  own phase (`fc_hf/schedule.py`); its selected pages sit in a window on the device, every page in the host tier.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+UNSTABLE, STREAMING, STABLE = "unstable", "streaming", "stable"
+
+
+@dataclass(frozen=True)
+class HeadKinds:
+    """The heads of one layer by kind (each list sorted)."""
+
+    num_heads: int
+    unstable: tuple[int, ...]
+    streaming: tuple[int, ...]
+    stable: tuple[int, ...]
+
+    @classmethod
+    def split(cls, num_heads: int, unstable: set[int], streaming: set[int]) -> "HeadKinds":
+        stable = set(range(num_heads)) - set(unstable) - set(streaming)
+        return cls(num_heads, tuple(sorted(set(unstable) - set(streaming))), tuple(sorted(streaming)), tuple(sorted(stable)))
+
+    def kind_of(self, head: int) -> str:
+        return UNSTABLE if head in self.unstable else STREAMING if head in self.streaming else STABLE
+
+
+class RowIndex:
+    """Row indices of each kind for a batch of `batch` sequences, on `device`.
+
+    `unstable`, `streaming`, `stable`: the rows of each kind, sequence-major (`[N_E]`, `[N_X]`, `[N_S]`, long);
+    `stable_local [N]`: each row's position among the stable rows, `N_S` for the others (a stable-row tensor's extra last
+    row, which writes of the other rows land in); `batch_of [N]`: each row's sequence."""
+
+    def __init__(self, kinds: HeadKinds, batch: int, device):
+        h = kinds.num_heads
+        self.kinds, self.batch, self.rows = kinds, batch, batch * h
+
+        def rows(heads):
+            return torch.tensor([b * h + x for b in range(batch) for x in heads], dtype=torch.long, device=device)
+
+        self.unstable, self.streaming, self.stable = rows(kinds.unstable), rows(kinds.streaming), rows(kinds.stable)
+        local = torch.full((self.rows,), self.stable.numel(), dtype=torch.long)
+        local[self.stable.cpu()] = torch.arange(self.stable.numel())
+        self.stable_local = local.to(device)
+        self.batch_of = torch.arange(self.rows, device=device) // h
+
+    @property
+    def n_unstable(self) -> int:
+        return self.unstable.numel()
+
+    @property
+    def n_streaming(self) -> int:
+        return self.streaming.numel()
+
+    @property
+    def n_stable(self) -> int:
+        return self.stable.numel()

@@ -1,0 +1,227 @@
+"""The preallocated tensors of one FlexiCache layer: every token's K/V, the stable rows' windows, the MinMax cache.
+
+Shapes are fixed by the capacity (`capacity` tokens, `pages = capacity / P` pages per row) and never change during a
+decode step, so a step compiles once and replays (CUDA graphs); they change only outside it (`grow`, a batch change).
+Rows are `b * H + h` (the model's order); N = B * H, N_S the stable rows.
+
+- `full_k/full_v [N, capacity, D]`: every token of every row, written as it comes (a prompt's tokens, each decode
+  token). For the ranked-every-step (unstable) and streaming rows this is their device tier. For stable rows it is the
+  host tier: every page, written once, read back when a ranking promotes a page or a prompt on a filled cache attends
+  over it. On a CPU both are one allocation (host memory is the device's own); `tier_bytes` splits them by row kind.
+- `win_k/win_v [N_S + 1, W * P, D]`: a stable row's window, its device tier: positions `[0, K - 1)` hold the pages of
+  its last ranking other than the page then being filled, position `K - 1 + i` the page being filled at that ranking
+  plus `i` (the pages opened since, `W = K + ceil(R / P) + 1` positions). The extra last row takes the writes of the
+  other rows, so a write over all rows needs no pick of the stable ones.
+- `meta [N, 2D, pages * S]`: per sub-page the channel max then min of its keys (channel-major: the scoring matmul's
+  right-hand side). An entry is exact once its sub-page is full; the page being filled is always selected, so its
+  entries are never read before.
+- `length_t` (a device tensor: a decode step changes no Python number) and `length`, its host mirror, kept where the
+  host drives the writes (prompts, eager decode steps).
+
+Window bookkeeping of each stable row (rewritten by a ranking, `fc_hf/tiers.py`): `win_pages [N_S + 1, W]` the page
+at each window position (-1: none), `win_shift [N_S + 1]` the flat window index of position 0 of the page being filled
+minus its first token's position (a token at position `pos` of the page being filled or a later one goes to
+`win_shift + pos`), `win_tok [N_S + 1, W * P]` each window token's flat index into a step's token bias.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .rows import HeadKinds, RowIndex
+
+
+def window_pages(cfg, capacity_pages: int) -> int:
+    """W: window positions of a stable row: its K - 1 ranked pages, the page being filled at its ranking and the pages
+    opened before its next ranking (at most R steps later; capped by the capacity for a very long interval)."""
+    return cfg.pages_per_head + min(math.ceil(cfg.rerank_interval / cfg.page_size) + 1, capacity_pages)
+
+
+class PageStore:
+    """One layer's tensors (see the module docstring)."""
+
+    def __init__(self, kinds: HeadKinds, cfg, batch: int, head_dim: int, value_dim: int, dtype: torch.dtype,
+                 device: torch.device, capacity: int, host_tier: bool):
+        self.kinds, self.cfg = kinds, cfg
+        self.batch, self.heads = batch, kinds.num_heads
+        self.head_dim, self.value_dim, self.dtype, self.device = head_dim, value_dim, dtype, torch.device(device)
+        self.page_size, self.subpages = cfg.page_size, cfg.subpages
+        self.host_tier = host_tier  # stable rows' full tier counts as host memory (offload on)
+        self.rows = RowIndex(kinds, batch, self.device)
+        self.n = self.rows.rows
+        self.length = 0
+        self.length_t = torch.zeros((), dtype=torch.long, device=self.device)
+        self.capacity = 0
+        self.full_k = self.full_v = self.meta = None
+        self._allocate(capacity)
+        n_s = self.rows.n_stable
+        self.window = window_pages(cfg, self.capacity // self.page_size) if n_s else 0  # no stable row: no window
+        wp = self.window * self.page_size
+        self.win_k = torch.zeros(n_s + 1, wp, head_dim, dtype=dtype, device=self.device)
+        self.win_v = torch.zeros(n_s + 1, wp, value_dim, dtype=dtype, device=self.device)
+        self.win_pages = torch.full((n_s + 1, self.window), -1, dtype=torch.long, device=self.device)
+        self.win_shift = torch.zeros(n_s + 1, dtype=torch.long, device=self.device)
+        # Each window token's flat index into a step's token bias (`StepBias.tokens`), from `win_pages` (`window_tokens`).
+        self.win_tok = torch.zeros(n_s + 1, wp, dtype=torch.long, device=self.device)
+        # Flat index of each stable row's position 0 in `win_k.view(-1, D)`.
+        self.win_base = torch.arange(n_s + 1, device=self.device) * wp
+        # Pages a window's positions K, K + 1, ... hold, after the page being filled at its ranking.
+        self.later_pages = torch.arange(1, max(1, self.window - cfg.pages_per_head + 1), device=self.device)
+
+    # -- sizes ----------------------------------------------------------------------------------------
+    @property
+    def pages(self) -> int:
+        """Pages per row the capacity holds."""
+        return self.capacity // self.page_size
+
+    @property
+    def num_pages(self) -> int:
+        return -(-self.length // self.page_size)
+
+    @property
+    def page_bytes(self) -> int:
+        return self.page_size * (self.head_dim + self.value_dim) * self.dtype.itemsize
+
+    def tier_bytes(self) -> dict[str, int]:
+        """Bytes allocated: `device` (unstable and streaming rows' pages, the windows), `host` (stable rows' pages, the
+        host tier; on the device when offload is off), `metadata` (MinMax and window bookkeeping)."""
+        per_row = self.capacity * (self.head_dim + self.value_dim) * self.dtype.itemsize
+        stable = self.rows.n_stable * per_row
+        windows = (self.win_k.numel() + self.win_v.numel()) * self.dtype.itemsize
+        out = {"device": (self.n * per_row - stable) + windows, "host": stable if self.host_tier else 0,
+               "metadata": self.meta.numel() * self.meta.element_size()
+               + sum(t.numel() * t.element_size() for t in (self.win_pages, self.win_shift))}
+        if not self.host_tier:
+            out["device"] += stable
+        return out
+
+    # -- allocation -----------------------------------------------------------------------------------
+    def _allocate(self, capacity: int) -> None:
+        """Tensors for `capacity` tokens per row, the tokens held so far copied over."""
+        p, s, d, dv = self.page_size, self.subpages, self.head_dim, self.value_dim
+        capacity = -(-capacity // p) * p
+        old = (self.full_k, self.full_v, self.meta)
+        self.full_k = self._full((self.n, capacity, d))
+        self.full_v = self._full((self.n, capacity, dv))
+        self.meta = torch.zeros(self.n, 2 * d, capacity // p * s, dtype=self.dtype, device=self.device)
+        if old[0] is not None and self.length:
+            held = self.length
+            self.full_k[:, :held] = old[0][:, :held]
+            self.full_v[:, :held] = old[1][:, :held]
+            entries = -(-held // p) * s
+            self.meta[:, :, :entries] = old[2][:, :, :entries]
+        self.capacity = capacity
+
+    def _full(self, shape) -> torch.Tensor:
+        return torch.zeros(shape, dtype=self.dtype, device=self.device)
+
+    def grow(self, capacity: int) -> None:
+        """Room for `capacity` tokens per row (outside a decode step: it makes new tensors)."""
+        if capacity > self.capacity:
+            self._allocate(capacity)
+            window = window_pages(self.cfg, self.pages) if self.rows.n_stable else 0
+            if window != self.window:  # a very long re-rank interval: the window holds every page opened since
+                self._widen_windows(window)
+            self.window_tokens()  # the token bias has a row per page: its indices move
+
+    def _widen_windows(self, window: int) -> None:
+        wp, old_wp = window * self.page_size, self.window * self.page_size
+        shift = self.win_shift - self.win_base
+        for name in ("win_k", "win_v"):
+            old = getattr(self, name)
+            new = old.new_zeros(old.shape[0], wp, old.shape[2])
+            new[:, :old_wp] = old
+            setattr(self, name, new)
+        pages = self.win_pages.new_full((self.win_pages.shape[0], window), -1)
+        pages[:, : self.window] = self.win_pages
+        k = self.cfg.pages_per_head
+        anchor = self.win_pages[:, k - 1 : k]  # the page being filled at each row's ranking (-1: never ranked)
+        later = anchor + torch.arange(self.window - k + 1, window - k + 1, device=self.device)
+        pages[:, self.window :] = torch.where(anchor >= 0, later, -1)
+        self.win_pages, self.window = pages, window
+        self.later_pages = torch.arange(1, window - k + 1, device=self.device)
+        self.win_tok = self.win_tok.new_zeros(self.win_tok.shape[0], wp)
+        self.win_base = torch.arange(self.win_k.shape[0], device=self.device) * wp
+        self.win_shift = self.win_base + shift
+
+    # -- writing ----------------------------------------------------------------------------------------
+    def write_prompt(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Append `[B, H, T, D]` tokens (a prompt, a prefill chunk, a new turn) and the MinMax entries of the pages they
+        touch. The caller has made room (`grow`)."""
+        start, t = self.length, keys.shape[2]
+        end = start + t
+        self.full_k[:, start:end] = keys.reshape(self.n, t, self.head_dim)
+        self.full_v[:, start:end] = values.reshape(self.n, t, self.value_dim)
+        first, last = start // self.page_size, -(-end // self.page_size)
+        self.write_meta(first, last)
+        self.length = end
+        self.length_t.fill_(end)
+
+    def write_meta(self, first: int, end: int) -> None:
+        """MinMax entries of pages `[first, end)` from the tokens held (the last page's may hold stale tokens past
+        the length: an entry is read only once its page is full)."""
+        p, s = self.page_size, self.subpages
+        sub = self.full_k[:, first * p : end * p].reshape(self.n, (end - first) * s, p // s, self.head_dim)
+        lo, hi = torch.aminmax(sub, dim=2)  # [N, F*S, D]
+        self.meta[:, :, first * s : end * s] = torch.cat([hi, lo], dim=-1).transpose(1, 2)
+
+    # -- reading ------------------------------------------------------------------------------------------
+    def dense(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every token held, `[B, H, L, D]` views of the full tier."""
+        k = self.full_k.view(self.batch, self.heads, self.capacity, self.head_dim)[:, :, : self.length]
+        v = self.full_v.view(self.batch, self.heads, self.capacity, self.value_dim)[:, :, : self.length]
+        if k.device != self.device:
+            k, v = k.to(self.device), v.to(self.device)
+        return k, v
+
+    # -- rows ---------------------------------------------------------------------------------------------------
+    def select_rows(self, batch_index: torch.Tensor) -> None:
+        """Keep / duplicate sequences: new sequence i is old sequence `batch_index[i]` (beam search). In place when the
+        batch size stays (static addresses), else new tensors."""
+        h = self.heads
+        index = batch_index.to(self.device)
+        rows = (index[:, None] * h + torch.arange(h, device=self.device)).reshape(-1)
+        new_batch = index.numel()
+        old_rows = self.rows
+        new_rows = RowIndex(self.kinds, new_batch, self.device)
+        # A stable row's window rows follow their rows; the trash row stays last.
+        s_map = torch.cat([old_rows.stable_local[rows[new_rows.stable]],
+                           torch.tensor([old_rows.n_stable], device=self.device)])
+        same = new_batch == self.batch
+        # `win_shift` holds flat indices: its rows move to new window rows.
+        shift = self.win_shift.index_select(0, s_map) - self.win_base.index_select(0, s_map)
+        for name, row_map in (("full_k", rows), ("full_v", rows), ("meta", rows), ("win_k", s_map), ("win_v", s_map),
+                              ("win_pages", s_map), ("win_tok", s_map)):
+            t = getattr(self, name)
+            picked = t.index_select(0, row_map)
+            if same:
+                t.copy_(picked)
+            else:
+                setattr(self, name, picked)
+        if not same:
+            self.batch, self.n, self.rows = new_batch, new_batch * h, new_rows
+            self.win_base = torch.arange(new_rows.n_stable + 1, device=self.device) * self.win_k.shape[1]
+            self.win_shift = torch.empty_like(shift)
+        self.win_shift.copy_(self.win_base + shift)
+        self.window_tokens()  # a row's sequence may have changed: its token bias row with it
+
+    def aim_windows(self, position: int) -> None:
+        """Point every window's writes at position `K - 1` for the page of `position` (after a prompt, before the next
+        step's ranking fills the windows)."""
+        shift = (self.cfg.pages_per_head - 1 - position // self.page_size) * self.page_size
+        self.win_shift.copy_(self.win_base + shift)
+
+    def window_tokens(self, local: torch.Tensor | None = None) -> None:
+        """`win_tok` of the stable rows `local` (all with None) from their `win_pages` and their sequences: page `p`'s
+        token `t` of sequence `b` is `(b * (pages + 1) + p) * P + t`; no page (-1) is the null page `pages` (masked)."""
+        p, pages = self.page_size, self.pages
+        rows = self.rows.stable
+        if local is None:
+            local = torch.arange(rows.numel() + 1, device=self.device)
+        seq = torch.cat([self.rows.batch_of[rows], rows.new_zeros(1)]).index_select(0, local)  # the trash row: 0
+        win = self.win_pages.index_select(0, local)
+        page = torch.where((win >= 0) & (win < pages), win, pages)  # no page, or one past the capacity: null
+        tok = ((seq[:, None] * (pages + 1) + page) * p)[:, :, None] + torch.arange(p, device=self.device)
+        self.win_tok.index_copy_(0, local, tok.view(local.numel(), -1))

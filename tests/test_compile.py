@@ -1,0 +1,143 @@
+"""FlexiCache's decode step compiles (issue 49, item 2): `generate` compiles it as it compiles a `StaticCache`.
+
+The check of the issue, on a CPU (`compile_config._compile_all_devices`, the `aot_eager` backend): a 2-layer tiny
+Llama with stable and unstable heads, budget 64, pages of 16, R = 4, a left-padded batch of 2, a 330-token prompt and
+64 new tokens (stable rows ranking at their phases with promotions, unstable rankings, pages opening), compiled with
+`fullgraph=True, dynamic=False`: no graph break, at most 2 graphs (the first step after a prompt ranks every stable row;
+every later step is one graph), and eager FlexiCache's tokens. A `StaticCache` passes the same check with 1 graph.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import left_padded_batch, tiny_model
+from transformers import CompileConfig, StaticCache
+
+from fc_hf import FlexiCache, FlexiCacheConfig, HeadProfile
+from fc_hf.compat import cache_kwargs
+
+CFG = FlexiCacheConfig(page_size=16, token_budget=64, rerank_interval=4)
+
+
+def _compile_config() -> CompileConfig:
+    config = CompileConfig(fullgraph=True, dynamic=False, backend="aot_eager")
+    config._compile_all_devices = True  # generate compiles on a CPU too
+    return config
+
+
+def _generate(model, cache, ids, mask, **kw):
+    with torch.no_grad():
+        return model.generate(ids, attention_mask=mask, max_new_tokens=64, do_sample=False,
+                              **cache_kwargs(model, cache), **kw)
+
+
+def _graphs(run) -> tuple[torch.Tensor, int, dict]:
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    out = run()
+    graphs, breaks = counters["stats"]["unique_graphs"], dict(counters["graph_break"])
+    torch._dynamo.reset()
+    return out, graphs, breaks
+
+
+@pytest.fixture(scope="module")
+def setup():
+    model = tiny_model("llama", layers=2, heads=4, kv_heads=2)
+    ids, mask = left_padded_batch(2, 330, pad_lengths=[0, 21])
+    profile = HeadProfile.from_unstable(model.config, {(0, 0), (1, 1)})  # each layer one unstable, one stable head
+    return model, ids, mask, profile
+
+
+def test_generate_compiles_the_decode_step_in_two_graphs_with_eager_tokens(setup):
+    model, ids, mask, profile = setup
+    eager_cache = FlexiCache(model.config, CFG, profile)
+    eager = _generate(model, eager_cache, ids, mask)
+    assert eager_cache.stats()["pages_promoted"] > 0 and eager_cache.stats()["reranks_stable"] > 2 * 2
+    cache = FlexiCache(model.config, CFG, profile)
+    out, graphs, breaks = _graphs(lambda: _generate(model, cache, ids, mask, compile_config=_compile_config()))
+    assert breaks == {}
+    assert graphs <= 2
+    assert torch.equal(out, eager)
+    assert cache.stats()["pages_promoted"] == eager_cache.stats()["pages_promoted"]  # counted on the device, the same
+
+
+def test_a_static_cache_passes_the_same_check_in_one_graph(setup):
+    model, ids, mask, _ = setup
+    eager = _generate(model, StaticCache(config=model.config, max_cache_len=400), ids, mask)
+    model.set_attn_implementation("sdpa")
+    try:
+        out, graphs, breaks = _graphs(lambda: _generate(model, StaticCache(config=model.config, max_cache_len=400), ids,
+                                                        mask, compile_config=_compile_config()))
+    finally:
+        model.set_attn_implementation("flexicache")
+    assert breaks == {} and graphs == 1
+    assert out.shape == eager.shape
+
+
+def test_a_reset_cache_is_reused_without_recompiling(setup):
+    """A pipeline passing one cache to every call: `reset()` keeps the tensors, the compiled step is reused."""
+    model, ids, mask, profile = setup
+    cache = FlexiCache(model.config, CFG, profile, max_cache_len=400)
+
+    def twice():
+        first = _generate(model, cache, ids, mask, compile_config=_compile_config())
+        cache.reset()
+        second = _generate(model, cache, ids, mask, compile_config=_compile_config())
+        return torch.stack([first, second])
+
+    both, graphs, breaks = _graphs(twice)
+    assert breaks == {} and graphs <= 2
+    assert torch.equal(both[0], both[1])
+
+
+def test_a_compiled_forward_takes_prompts_eagerly(setup):
+    """`torch.compile(model.forward)` without fullgraph: prompts break out of the graph (taken as an eager forward
+    would), decode steps compile; the tokens are eager FlexiCache's. With fullgraph=True the prompt refuses, naming
+    why."""
+    model, ids, mask, profile = setup
+    eager = _generate(model, FlexiCache(model.config, CFG, profile), ids[:, -40:], mask[:, -40:])
+    compiled = tiny_model("llama", layers=2, heads=4, kv_heads=2)
+    compiled.forward = torch.compile(compiled.forward, backend="eager", fullgraph=False)
+    out, _, _ = _graphs(lambda: _generate(compiled, FlexiCache(compiled.config, CFG, profile), ids[:, -40:],
+                                          mask[:, -40:]))
+    assert torch.equal(out, eager)
+    strict = tiny_model("llama", layers=2, heads=4, kv_heads=2)
+    strict.forward = torch.compile(strict.forward, backend="eager", fullgraph=True)
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="FlexiCache takes a prompt"):
+        _generate(strict, FlexiCache(strict.config, CFG, profile), ids[:, -40:], mask[:, -40:])
+    torch._dynamo.reset()
+
+
+def test_what_is_compileable(setup):
+    """generate compiles FlexiCache's decode steps only: not from its prompt stage, not while recording drafts, not
+    during `profile="auto"`'s warm-up, not with sliding-window layers (transformers' own are not compileable)."""
+    from transformers.generation import utils as generation_utils
+
+    model, ids, mask, profile = setup
+    cache = FlexiCache(model.config, CFG, profile)
+    assert cache.is_compileable
+    asked = []
+    real = generation_utils.GenerationMixin._valid_auto_compile_criteria
+
+    def spy(self, model_kwargs, generation_config):
+        asked.append(model_kwargs["cache" if "cache" in model_kwargs else "past_key_values"].is_compileable)
+        return real(self, model_kwargs, generation_config)
+
+    generation_utils.GenerationMixin._valid_auto_compile_criteria = spy
+    try:
+        _generate(model, cache, ids[:, -40:], mask[:, -40:], prefill_chunk_size=16)
+    finally:
+        generation_utils.GenerationMixin._valid_auto_compile_criteria = real
+    assert asked[0] is True and False in asked[1:]  # the decode loop's, then the prompt stage's (chunked prefill)
+    cache.activate_past_recording()
+    assert not cache.is_compileable
+    cache.deactivate_past_recording()
+    assert cache.is_compileable
+    assert not FlexiCache(model.config, FlexiCacheConfig(page_size=16, token_budget=64, warmup_steps=8,
+                                                         rerank_interval=4), "auto").is_compileable
+    gemma = tiny_model("gemma3")
+    assert not FlexiCache(gemma.config, CFG).is_compileable
