@@ -11,7 +11,7 @@ One dense teacher-forced forward pass over real text (prompt + continuation) rec
   pages only (what FlexiCache computes);
 - the **oracle**: the K pages with the most true mass (mean over the group), forced pages included.
 
-The bound is `fc_hf.kernels`' own (`bounds_per_head`), so the probe measures the code the cache runs. Forcing follows
+The bound is `fc_hf.kernels`' own (`quest_bounds`), so the probe measures the code the cache runs. Forcing follows
 the cache: the page being filled and `sink_pages` leading pages are always selected. A `carry` policy ranks the probed
 positions in order, each one's candidates including the pages the previous position carried (as consecutive decode
 steps of a head ranked every step do). No generation: one forward per text, every policy on the same queries.
@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from fc_hf.kernels.torch_backend import bounds_per_head
+from fc_hf.kernels.torch_backend import quest_bounds
 
 POS_INF, NEG_INF = float("inf"), float("-inf")
 
@@ -145,7 +145,7 @@ def probe_layer(
             if s not in meta_cache:
                 sub = _page_view(k, num_pages, page_size).view(h, num_pages * s, page_size // s, d)
                 meta_cache[s] = torch.cat([sub.amax(2), sub.amin(2)], dim=-1)  # [H, Np*S, 2D]
-            bounds = bounds_per_head(q.permute(0, 2, 1, 3).reshape(h, t * g, d), meta_cache[s], num_pages * s)
+            bounds = quest_bounds(q.permute(0, 2, 1, 3).reshape(h, t * g, d), meta_cache[s].transpose(1, 2))
             scores = bounds.view(h, t, g, num_pages, s).amax(dim=(2, 4))  # [H, T, Np]: max over group, sub-pages
         scores = scores.masked_fill(~full[None], NEG_INF).masked_fill(forced[None], POS_INF)
         scores = scores.masked_fill(~exists[None], NEG_INF)

@@ -353,12 +353,12 @@ class FlexiCache(Cache):
             if isinstance(layer, FlexiCacheLayer):
                 layer.commit()
                 self.ledger.resized(layer.device_bytes(), 0)
-                layer.store = layer.selector = None
+                layer.store = layer.selector = layer.context = None
             else:
                 self.ledger.resized(_dense_bytes(layer), 0)
                 layer.keys = layer.values = None
         self.layers = []
-        self._biases = {}
+        self._biases, self._contexts = {}, {}
         if self.auto is not None:
             self.auto.topk, self.auto.valid = {}, {}
 

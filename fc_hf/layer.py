@@ -344,7 +344,7 @@ class FlexiCacheLayer(VerifiedDecoding, CacheLayerMixin):
         store.select_rows(indices)
         self.selector.select_rows(rows)
         if self.owner.auto is not None:
-            self.owner.auto.select_rows(self.layer_idx, indices)
+            self.owner.auto.select_rows(self.layer_idx, indices, self.decode_steps())
         self.batch = store.batch
         self._index_tensors()
         self.owner.ledger.resized(before, self.device_bytes())
@@ -391,7 +391,7 @@ class FlexiCacheLayer(VerifiedDecoding, CacheLayerMixin):
             "decode_steps": sum(steps),
             "unstable_rows_ranked": n_e * sum(steps),
             "stable_rows_ranked": sum(ranked_rows(s, n_s, self.cfg.rerank_interval) for s in steps),
-            "pages_promoted": 0 if self.store is None else int(self.promoted),
+            "pages_promoted": 0 if self.store is None or self.device.type == "meta" else int(self.promoted),
         }
 
     def dense_kv(self) -> tuple[torch.Tensor, torch.Tensor]:

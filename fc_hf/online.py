@@ -16,6 +16,7 @@ import math
 import torch
 
 from .selection import POS_INF
+from .schedule import phase_of
 from .stability import count_unstable, select_unstable, temporal_stability
 
 TS_WINDOW = 16  # SPEC §2: W of the temporal stability (the offline profiles use 16 too)
@@ -79,6 +80,7 @@ class OnlineClassifier:
         self.unstable: set[tuple[int, int]] | None = None
         self.classified_after_step: int | None = None  # the new groups serve steps after this one
         self.postponed_at: list[int] = []
+        self.reorders: list[tuple[int, list[int]]] = []  # (decode steps done, batch index) of each batch reshuffle
         self.tally: dict | None = None
         self.window_used: int | None = None
         self.samples = 0
@@ -152,9 +154,15 @@ class OnlineClassifier:
     def trace_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.topk.values(), *self.valid.values()))
 
-    def select_rows(self, layer: int, batch_index: torch.Tensor) -> None:
-        """Follow a batch reshuffle (beam search): new sequence i continues old sequence `batch_index[i]`."""
-        if layer not in self.topk or self.done:
+    def select_rows(self, layer: int, batch_index: torch.Tensor, steps_done: int = 0) -> None:
+        """Follow a batch reshuffle (beam search) after decode step `steps_done`: new sequence i continues old sequence
+        `batch_index[i]`. The reshuffles are kept (`reorders`): a re-split needs where each sequence was at earlier
+        steps (`regroup`)."""
+        if self.done:
+            return
+        if layer == self.layer_ids[0]:
+            self.reorders.append((steps_done, batch_index.detach().cpu().tolist()))
+        if layer not in self.topk:
             return
         index = batch_index.to(self.topk[layer].device)
         heads = torch.arange(self.num_kv_heads, device=index.device)
@@ -278,7 +286,6 @@ def regroup(layer, unstable: set[int]) -> None:
     ranking of the step at which a from-start cache last ranked that row (`fc_hf/schedule.py`), and the pages opened
     since; the carried candidates stay."""
     from .rows import HeadKinds
-    from .schedule import last_ranking_step, phase_of
     from .tiers import move_windows
 
     auto = layer.owner.auto
@@ -307,18 +314,34 @@ def regroup(layer, unstable: set[int]) -> None:
     rows = store.rows
     if trace is None or not rows.n_stable or steps == 0:
         return
-    r = layer.cfg.rerank_interval
     scratch = torch.zeros((), dtype=torch.long, device=store.device)
-    for j in range(rows.n_stable):  # the step of each stable row's last ranking in a from-start cache
-        last = last_ranking_step(phase_of(j, rows.n_stable, r), steps, r)
+    for j, row in enumerate(rows.stable.tolist()):
+        last = _last_ranking(row, store.heads, kinds, steps, layer.cfg.rerank_interval, auto.reorders, store.batch)
         slot = max(0, last - auto.start - 1)
         local = torch.tensor([j], device=store.device)
-        row = rows.stable[j : j + 1]
+        index = rows.stable[j : j + 1]
         page = torch.tensor((prompt_end + last - 1) // store.page_size, device=store.device)
-        pages = trace[slot].index_select(0, row).long()
+        pages = trace[slot].index_select(0, index).long()
         pages = torch.where(pages >= 0, pages, page + 1)  # none: a page that does not exist then
-        move_windows(store, local, row, pages, page, scratch)
+        move_windows(store, local, index, pages, page, scratch)
     _fill_later_pages(store, held)
+
+
+def _last_ranking(row: int, heads: int, kinds, steps: int, interval: int, reorders, batch: int) -> int:
+    """The decode step (<= `steps`) at which a from-start cache last ranked the stable row now at `row`: each step
+    ranks the stable rows whose place in the batch has that step's phase (`fc_hf/schedule.py`), and a batch reshuffle
+    moves a sequence (with its window) to another place, so its places are followed back through `reorders`."""
+    b, h = divmod(row, heads)
+    stable = list(kinds.stable)
+    for step in range(steps, 0, -1):
+        position = b
+        for done, index in reversed(reorders):  # reshuffles after `step`: where the sequence was at `step`
+            if done >= step:
+                position = index[position]
+        if step == 1 or step % interval == phase_of(position * len(stable) + stable.index(h), batch * len(stable),
+                                                     interval):
+            return step
+    return 1
 
 
 def _fill_later_pages(store, length: int) -> None:

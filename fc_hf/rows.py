@@ -47,13 +47,17 @@ class RowIndex:
         self.kinds, self.batch, self.rows = kinds, batch, batch * h
 
         def rows(heads):
-            return torch.tensor([b * h + x for b in range(batch) for x in heads], dtype=torch.long, device=device)
+            return [b * h + x for b in range(batch) for x in heads]
 
-        self.unstable, self.streaming, self.stable = rows(kinds.unstable), rows(kinds.streaming), rows(kinds.stable)
-        local = torch.full((self.rows,), self.stable.numel(), dtype=torch.long)
-        local[self.stable.cpu()] = torch.arange(self.stable.numel())
-        self.stable_local = local.to(device)
-        self.batch_of = torch.arange(self.rows, device=device) // h
+        stable = rows(kinds.stable)
+        local = [len(stable)] * self.rows
+        for i, row in enumerate(stable):
+            local[row] = i
+        as_tensor = lambda values: torch.tensor(values, dtype=torch.long).to(device)  # noqa: E731 - built on the host
+        self.unstable, self.streaming, self.stable = as_tensor(rows(kinds.unstable)), as_tensor(rows(kinds.streaming)), \
+            as_tensor(stable)
+        self.stable_local = as_tensor(local)
+        self.batch_of = as_tensor([n // h for n in range(self.rows)])
 
     @property
     def n_unstable(self) -> int:

@@ -50,12 +50,16 @@ def in_prefill(depth: int = 48) -> bool:
 
 
 def generate_max_length(depth: int = 48) -> int | None:
-    """`generation_config.max_length` of the `generate` call the caller runs in (its prompt stage), else None: the
-    tokens per sequence that call will hold, what `StaticCache` is sized to."""
-    frame = _generation_frame(PREFILL, depth)
+    """`generation_config.max_length` of the `generate` call the caller runs in (its prompt stage, or the assisted
+    loop's first forward), else None: the tokens per sequence that call will hold, what `StaticCache` is sized to."""
+    prefill = _generation_frame(PREFILL, depth)
+    frame = prefill or _generation_frame(LOOP, depth)
     config = None if frame is None else frame.f_locals.get("generation_config")
     length = getattr(config, "max_length", None)
-    return length if isinstance(length, int) and length > 0 else None
+    if not isinstance(length, int) or length <= 0:
+        return None
+    # Prompt lookup's last verification may run past max_length by its drafts (transformers crops them after).
+    return length + (0 if prefill else int(getattr(config, "prompt_lookup_num_tokens", None) or 0))
 
 
 def assisted_loop_prompt(depth: int = 6) -> torch.Tensor | None:

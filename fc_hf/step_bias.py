@@ -30,6 +30,7 @@ class StepBias:
         self.pages = torch.zeros(batch, pages * subpages, device=device)
         self.page = torch.zeros((), dtype=torch.long, device=device)
         self._index = torch.arange(pages, device=device)
+        self._positions = torch.arange(pages * page_size, device=device)
         self._zero, self._neg_inf = torch.zeros((), device=device), torch.full((), NEG_INF, device=device)
         self._sink = torch.arange(max(1, sink_pages), device=device)
 
@@ -55,7 +56,9 @@ class StepBias:
             if ok.shape[-1] < pages * p:  # a mask of the tokens so far only (a caller's own): the rest is not attended
                 tokens[:, ok.shape[-1] :] = NEG_INF
             tokens[:, : ok.shape[-1]].copy_(torch.where(ok, self._zero, self._neg_inf))
-        tokens.index_fill_(1, position.view(1), 0.0)  # the step's own token is attended (a short mask may miss it)
+        # Causal whatever the mask says (a caller's padding-only mask): nothing past the step's own token, which is
+        # attended (a short mask may miss it).
+        tokens.masked_fill_(self._positions > position, NEG_INF).index_fill_(1, position.view(1), 0.0)
         self.page.copy_(position // p)
         valid = self.tokens[:, :pages].amax(dim=-1) == 0  # [B, pages]: an attendable token in the page
         bias = torch.where(valid, 0.0, NEG_INF)

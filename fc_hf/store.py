@@ -208,10 +208,11 @@ class PageStore:
         self.window_tokens()  # a row's sequence may have changed: its token bias row with it
 
     def aim_windows(self, position: int) -> None:
-        """Point every window's writes at position `K - 1` for the page of `position` (after a prompt, before the next
-        step's ranking fills the windows)."""
+        """Empty the windows and point their writes at position `K - 1` for the page of `position` (after a prompt,
+        before the next step's ranking fills them)."""
         shift = (self.cfg.pages_per_head - 1 - position // self.page_size) * self.page_size
         self.win_shift.copy_(self.win_base + shift)
+        self.win_pages.fill_(-1)  # nothing of the windows is kept: the next ranking fills them from the host tier
 
     def window_tokens(self, local: torch.Tensor | None = None) -> None:
         """`win_tok` of the stable rows `local` (all with None) from their `win_pages` and their sequences: page `p`'s

@@ -24,13 +24,16 @@ def move_windows(store, local: torch.Tensor, rows: torch.Tensor, pages: torch.Te
     if pages.shape[1] < k:  # a capacity of fewer than K pages: the other places hold pages past it (none)
         filler = torch.arange(store.pages, store.pages + k - pages.shape[1], device=pages.device)
         pages = torch.cat([pages, filler.expand(pages.shape[0], -1)], dim=1)
-    # The page being filled goes last among the ranked pages (`pages[:, K-1]`), where its later tokens are written.
+    # In page order (a window's content does not depend on the order a ranking found its pages in), the page being
+    # filled last among the ranked pages (`pages[:, K-1]`), where its later tokens are written.
+    pages = pages.sort(dim=1).values
     pages = torch.where(pages == page, pages[:, k - 1 :], pages)
     pages[:, k - 1] = page
     present = pages <= page  # a ranking may fill up with pages that do not exist yet: none
     old = store.win_pages.index_select(0, local)
     resident = (pages[:, :, None] == old[:, None, :]).any(-1)
-    promoted.add_((present & ~resident & (local < n_stable)[:, None]).sum())
+    if store.host_tier:  # without a host tier (offload off) a window is filled from device memory: no promotion
+        promoted.add_((present & ~resident & (local < n_stable)[:, None]).sum())
     source = (rows[:, None] * store.pages + torch.where(present, pages, 0)).view(-1)
     n = local.numel()
     backend = store.cfg.backend

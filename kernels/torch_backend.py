@@ -36,13 +36,20 @@ def page_scores(query: torch.Tensor, meta: torch.Tensor, bias: torch.Tensor, sub
     Returns:
         `torch.Tensor` of shape `[n, E / S]`, fp32.
     """
-    q = query.float()
-    q2 = torch.cat([q.clamp(min=0), q.clamp(max=0)], dim=-1)
-    bounds = torch.baddbmm(bias[:, None, :], q2, meta.float())  # [n, G, E]
-    scores = bounds.amax(dim=1)
+    scores = quest_bounds(query, meta, bias).amax(dim=1)
     if subpages > 1:
         scores = scores.view(scores.shape[0], -1, subpages).amax(dim=-1)
     return scores
+
+
+def quest_bounds(query: torch.Tensor, meta: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The Quest bound of every MinMax entry for every query head, fp32: `[n, G, D]`, `[n, 2D, E]` (, `bias [n, E]`)
+    -> `[n, G, E]`, as one matmul `[relu(q), min(q, 0)] @ [kmax; kmin]`."""
+    q = query.float()
+    q2 = torch.cat([q.clamp(min=0), q.clamp(max=0)], dim=-1)
+    if bias is None:
+        return torch.matmul(q2, meta.float())
+    return torch.baddbmm(bias[:, None, :], q2, meta.float())
 
 
 def candidate_mass(query: torch.Tensor, keys: torch.Tensor, bias: torch.Tensor, scores: torch.Tensor, scaling: float,

@@ -15,9 +15,9 @@ from fc_hf import FlexiCache, FlexiCacheConfig, HeadProfile
 from fc_hf.compat import cache_kwarg
 from fc_hf.errors import FlexiCacheError
 from fc_hf.layer import FlexiCacheLayer
-from fc_hf.paged_store import PagedKV
 from fc_hf.profiler import PageTracer, metrics
-from fc_hf.selection import PageSelector
+from fc_hf.kernels import bruteforce
+from fc_hf.schedule import last_ranking_step, phase_of
 
 SCALING = 0.25
 
@@ -73,31 +73,26 @@ def auto_through(stream, steps, warmup, **cfg):
     return auto
 
 
-def resident_pages(store: PagedKV) -> torch.Tensor:
-    return store.table[:, : store.num_pages] != 0
-
-
 def assert_same_state(auto: FlexiCache, ref: FlexiCache):
-    """Same groups, selections, resident page sets, K/V (both tiers), MinMax and host copies."""
+    """Same head kinds, K/V, MinMax entries and windows (the pages each holds and their tokens). The carried pages
+    differ (a warm-up row carries from its every-step ranking, a from-start stable row from its own): the tests use
+    every page as a candidate, where they change nothing."""
     for la, lr in zip(auto.flexi_layers, ref.flexi_layers):
-        assert [(g.kind, g.heads) for g in la.groups] == [(g.kind, g.heads) for g in lr.groups]
+        assert la.kinds == lr.kinds and la.rank_all == lr.rank_all
         for ka, kr in zip(la.dense_kv(), lr.dense_kv()):
             assert torch.equal(ka, kr)
-        for ga, gr in zip(la.groups, lr.groups):
-            assert (ga.sel is None) == (gr.sel is None)
-            if ga.sel is not None:
-                assert torch.equal(ga.sel, gr.sel)
-            assert ga.pages_at_rank == gr.pages_at_rank
-            sa, sr = ga.store, gr.store
-            assert torch.equal(resident_pages(sa), resident_pages(sr))
-            full = sa.full_pages
-            assert torch.equal(sa.meta[:, :full], sr.meta[:, :full])
-            assert sa.tiered == sr.tiered
-            if sa.tiered:
-                ha, hr = sa.host, sr.host
-                assert ha.pages == hr.pages
-                assert torch.equal(ha.host_k[: ha.pages], hr.host_k[: hr.pages])
-                assert torch.equal(ha.host_v[: ha.pages], hr.host_v[: hr.pages])
+        sa, sr = la.store, lr.store
+        full = sa.length // sa.page_size * sa.subpages
+        assert torch.equal(sa.meta[:, :, :full], sr.meta[:, :, :full])
+        n_s = sa.rows.n_stable
+        assert torch.equal(sa.win_pages[:n_s], sr.win_pages[:n_s])
+        assert torch.equal(sa.win_shift[:n_s], sr.win_shift[:n_s])
+        held = (sa.win_pages[:n_s] >= 0).repeat_interleave(sa.page_size, dim=1)
+        tokens = (sa.win_pages[:n_s].repeat_interleave(sa.page_size, dim=1) * sa.page_size
+                  + torch.arange(sa.page_size).repeat(sa.window))
+        held &= tokens < sa.length
+        assert torch.equal(sa.win_k[:n_s][held], sr.win_k[:n_s][held])
+        assert torch.equal(sa.win_v[:n_s][held], sr.win_v[:n_s][held])
 
 
 PLANTED = ((0, 1), (1, 3), (2, 0))
@@ -113,7 +108,7 @@ def test_after_warmup_equals_a_cache_built_with_that_profile(promotion, no_grad)
     stream = Stream(planted=PLANTED, steps=48)
     cfg = FlexiCacheConfig(page_size=4, token_budget=32, rerank_interval=4, warmup_steps=16, promotion=promotion,
                            refine_pages=EVERY_PAGE)
-    auto = FlexiCache(stream.config, cfg, "auto")
+    auto = FlexiCache(stream.config, cfg, "auto", max_cache_len=168)
     stream.run_prefill(auto)
     for step in range(1, 17):
         stream.run_step(step, auto)
@@ -125,7 +120,7 @@ def test_after_warmup_equals_a_cache_built_with_that_profile(promotion, no_grad)
     stats = auto.stats()["auto_profile"]
     assert stats["classified_after_step"] == 16 and stats["unstable"] == sorted(PLANTED) and stats["samples"] == 2
 
-    ref = FlexiCache(stream.config, cfg, found)
+    ref = FlexiCache(stream.config, cfg, found, max_cache_len=168)
     stream.run_prefill(ref)
     for step in range(1, 18):
         stream.run_step(step, ref)
@@ -141,24 +136,36 @@ def test_after_warmup_equals_a_cache_built_with_that_profile(promotion, no_grad)
     assert report["auto_classified_after_step"] == 16 and report["auto_unstable_heads"] == 3
 
 
-def test_resplit_groups_adopt_the_warmup_carried_pages(no_grad):
-    """At the re-split each new group takes its heads' rows of the warm-up group's carried pages (and selection)."""
+def test_resplit_heads_adopt_the_warmup_rankings_and_carried_pages(no_grad):
+    """At the re-split each layer keeps the warm-up's carried pages, and each stable row's window holds the warm-up's
+    ranking of the step at which a from-start cache last ranked that row (its phase), plus the pages opened since."""
     stream = Stream(planted=PLANTED, steps=20)
     cfg = FlexiCacheConfig(page_size=4, token_budget=32, rerank_interval=4, warmup_steps=16)
     auto = FlexiCache(stream.config, cfg, "auto")
     stream.run_prefill(auto)
+    rankings = []  # per step, each layer's ranking of every row (every head unstable in the warm-up)
     for step in range(1, 17):
         stream.run_step(step, auto)
-    warm = [(l.groups[0].selector.carried, l.groups[0].sel.clone()) for l in auto.flexi_layers]
-    assert all(c is not None and bool(torch.isfinite(c[1]).any()) for c, _ in warm)
+        rankings.append([layer.last_ranking.clone() for layer in auto.flexi_layers])
+    carried = [(l.selector.carried_pages.clone(), l.selector.carried_scores.clone()) for l in auto.flexi_layers]
+    assert all(bool(torch.isfinite(scores).any()) for _, scores in carried)
     stream.run_step(17, auto)  # the first layer classifies; every layer re-splits before attending
-    for layer, (carried, sel) in zip(auto.flexi_layers, warm):
-        assert len(layer.groups) == 2
-        for group in layer.groups:
-            rows = torch.tensor([b * 4 + h for b in range(2) for h in group.heads])
-            if group.kind == "stable":  # not ranked at step 17: still what it adopted
-                assert all(torch.equal(a, b[rows]) for a, b in zip(group.selector.carried, carried))
-                assert torch.equal(group.sel, sel[rows])
+    k = cfg.pages_per_head
+    for i, (layer, (pages, scores)) in enumerate(zip(auto.flexi_layers, carried)):
+        store = layer.store
+        assert layer.kinds.stable and layer.kinds.unstable
+        stable = store.rows.stable.tolist()
+        for j, row in enumerate(stable):
+            last = last_ranking_step(phase_of(j, len(stable), 4), 16, 4)
+            if last in (16,) or (17 % 4 == phase_of(j, len(stable), 4)):  # ranked at step 17 itself: moved on
+                continue
+            ranked = rankings[last - 1][i][row]
+            page = (120 + last - 1) // 4
+            assert set(store.win_pages[j, :k].tolist()) - {-1} == {p for p in ranked.tolist() if p <= page}
+        kept = [row for j, row in enumerate(stable) if 17 % 4 != phase_of(j, len(stable), 4)]  # not ranked at 17
+        assert kept
+        assert torch.equal(layer.selector.carried_scores[kept], scores[kept])  # the warm-up's, kept
+        assert torch.equal(layer.selector.carried_pages[kept], pages[kept])
 
 
 def test_classification_equals_the_profilers_on_the_recorded_trace(no_grad):
@@ -218,7 +225,7 @@ def test_batch_reorder_through_the_warmup_boundary(no_grad):
             order = order[reorders[step]]
         stream.run_step(step, auto, reorder=order)
         stream.run_step(step, quest, reorder=order)
-        trace.append(torch.stack([l.groups[0].sel.view(batch, 4, -1) for l in quest.flexi_layers]))
+        trace.append(torch.stack([l.last_ranking.view(batch, 4, -1) for l in quest.flexi_layers]))
     topk = torch.stack(trace)  # [D, L, B, H, K]
     num_pages = torch.tensor([(120 + s + 3) // 4 for s in range(1, 17)])
     recorded = auto.auto.trace()
@@ -339,14 +346,14 @@ def test_zero_warmup_trace_is_each_positions_own_ranking(no_grad):
     ((topk, num_pages),) = cache.auto.trace()
     keys, _ = layer.dense_kv()  # [1, H, 90, D]
     q = captured["q"]
-    selector = PageSelector(cfg)
     for j, t in enumerate(range(90 - 32, 90)):
-        store = PagedKV(1, 4, 4, 16, 16, keys.dtype, keys.device, tiered=False, subpages=cfg.subpages)
-        store.append(keys[:, :, : t + 1], keys[:, :, : t + 1])
-        qt = q[0, :, t].view(4, 2, 16)
-        chosen = selector.select(selector.scores(qt, store, None), qt, store, 1.0)
-        assert num_pages[j] == store.num_pages
-        assert torch.equal(topk[j, 0, :, : chosen.shape[1]].sort(-1).values, chosen.sort(-1).values)
+        assert num_pages[j] == t // 4 + 1
+        for h in range(4):
+            scores = bruteforce.page_scores_bruteforce(q[0, 2 * h : 2 * h + 2, t], keys[0, h, : t + 1],
+                                                       torch.ones(t + 1, dtype=torch.bool), cfg)
+            want = sorted(scores, reverse=True)[: cfg.pages_per_head]
+            got = sorted((scores[p] for p in topk[j, 0, h].tolist() if p >= 0), reverse=True)
+            assert torch.allclose(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=1e-5)
 
 
 def test_beam_search_generate_through_the_boundary(no_grad):
@@ -355,14 +362,13 @@ def test_beam_search_generate_through_the_boundary(no_grad):
     mask = torch.ones_like(ids)
     cfg = FlexiCacheConfig(page_size=4, token_budget=32, rerank_interval=4, warmup_steps=8)
     cache = FlexiCache(model.config, cfg, "auto")
-    cache.check_residency = True  # every selected page must be on the device
     out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=20, num_beams=3,
                          num_return_sequences=2, pad_token_id=0, **{cache_kwarg(model): cache})
     assert out.shape == (4, 120)
     stats = cache.stats()
     assert stats["auto_profile"]["classified_after_step"] == 8 and stats["auto_profile"]["samples"] == 6
     assert stats["reranks_stable"] > 0
-    assert {g.kind for l in cache.flexi_layers for g in l.groups} == {"stable", "unstable"}
+    assert {l.kinds.kind_of(h) for l in cache.flexi_layers for h in range(4)} == {"stable", "unstable"}
 
 
 def test_found_profile_saves_and_loads(tmp_path, no_grad):

@@ -1,9 +1,9 @@
 """State a cache owns (issue 14, item 4): no buffer shared between caches, and `release()` frees it all.
 
-The CPU gather buffers (`kernels.GatherWorkspace`) were process-global: two caches decoding in two
-threads wrote into the same buffer. Each cache now owns one (`FlexiCache.workspace`). The thread test
-widens the window between a gather and its use (a sleep that releases the GIL), so a shared buffer
-is overwritten by the other thread; `test_shared_workspace_is_caught` shows that it would be.
+Every buffer a decode step writes (the store, the step's mask buffers `StepBias`) belongs to one cache, so two caches
+decoding in two threads never write into each other's. The thread test widens the window between a gather and its
+use (a sleep that releases the GIL), so a shared buffer would be overwritten by the other thread;
+`test_shared_step_buffers_are_caught` shows that it would be.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from conftest import left_padded_batch, tiny_model
 from robustness_helpers import forced_decode
 
 from fc_hf import FlexiCache, FlexiCacheConfig, FlexiCacheError, HeadProfile
-from fc_hf.kernels import GatherWorkspace
+from fc_hf.kernels import dispatch
 
 CFG = FlexiCacheConfig(page_size=4, token_budget=16, rerank_interval=3)
 
@@ -37,15 +37,15 @@ def _run(model, seed):
 
 @pytest.fixture
 def gather_yields(monkeypatch):
-    """Let the other thread run between a gather and the matmul that reads its buffer."""
-    real = GatherWorkspace.gather
+    """Let the other thread run between a gather and the matmul that reads it."""
+    real = dispatch.gather_pages
 
-    def gather(self, pool, flat, name):
-        out = real(self, pool, flat, name)
+    def gather(*args, **kwargs):
+        out = real(*args, **kwargs)
         time.sleep(0.0005)
         return out
 
-    monkeypatch.setattr(GatherWorkspace, "gather", gather)
+    monkeypatch.setattr(dispatch, "gather_pages", gather)
 
 
 def _two_threads(model) -> tuple[bool, list]:
@@ -77,26 +77,34 @@ def test_two_caches_in_two_threads_equal_sequential_runs(gather_yields):
     assert equal
 
 
-def test_shared_workspace_is_caught(gather_yields, monkeypatch):
-    """Mutant: one process-global workspace again. The thread test must see the other thread's keys: as different
-    outputs or, when a thread finds a buffer or table of the other's size, as an error (which of the two is timing)."""
-    shared = GatherWorkspace()
-    monkeypatch.setattr("fc_hf.cache.GatherWorkspace", lambda: shared)
+def test_shared_step_buffers_are_caught(gather_yields, monkeypatch):
+    """Mutant: one process-global set of step buffers again. The thread test must see the other thread's masks: as
+    different outputs or, when a thread finds buffers of the other's size, as an error (which of the two is timing)."""
+    from fc_hf.cache import FlexiCache as Cache
+
+    real = Cache.step_bias
+    shared = {}
+
+    def global_bias(self, layer):
+        if "bias" not in shared:
+            shared["bias"] = real(self, layer)
+        self._biases[layer.device] = shared["bias"]
+        return shared["bias"]
+
+    monkeypatch.setattr(Cache, "step_bias", global_bias)
     model = tiny_model("llama", layers=2)
     equal, errors = _two_threads(model)
     assert errors or not equal
 
 
 def _owned_tensors(cache):
-    """Weak references to every tensor the cache allocated: pools, tables, metadata, host tier, gather buffers."""
+    """Weak references to every tensor the cache allocated: the stores, the selectors' state, the step buffers."""
     refs = []
     for layer in cache.flexi_layers:
-        for group in layer.groups:
-            s = group.store
-            refs += [weakref.ref(t) for t in (s.k_pool, s.v_pool, s.table, s.minmax.meta_t, s.pool.free) if t is not None]
-            if s.host is not None and s.host.host_k is not None:
-                refs += [weakref.ref(s.host.host_k), weakref.ref(s.host.host_v)]
-    refs += [weakref.ref(b) for b in cache.workspace._buffers.values()]
+        s = layer.store
+        refs += [weakref.ref(t) for t in (s.full_k, s.full_v, s.meta, s.win_k, s.win_v, s.win_pages, s.win_tok,
+                                          layer.selector.carried_pages, layer.selector.carried_scores)]
+    refs += [weakref.ref(b.tokens) for b in cache._biases.values()]
     return refs
 
 
@@ -106,18 +114,26 @@ def test_release_frees_everything_the_cache_allocated(no_grad):
     ids, mask, forced = _inputs(1)
     forced_decode(model, cache, ids, mask, forced)
     refs = _owned_tensors(cache)
-    assert len(refs) > 10 and cache.workspace.nbytes() > 0 and cache.memory_report()["host_kv_bytes"] > 0
+    assert len(refs) > 10 and cache.memory_report()["host_kv_bytes"] > 0
     cache.release()
     gc.collect()
     alive = [r() for r in refs if r() is not None]
     assert not alive, f"{len(alive)} tensors outlive release(): {[tuple(t.shape) for t in alive]}"
-    assert cache.workspace.nbytes() == 0
     with pytest.raises(FlexiCacheError, match="was released"):
         cache.update(ids[:, :1, None].float(), ids[:, :1, None].float(), 0)
 
 
-def test_release_that_keeps_the_workspace_is_caught(no_grad, monkeypatch):
-    """Mutant: release() forgets the gather buffers; the test above must notice."""
-    monkeypatch.setattr(GatherWorkspace, "clear", lambda self: None)
+def test_release_that_keeps_the_step_buffers_is_caught(no_grad, monkeypatch):
+    """Mutant: release() forgets the step buffers; the test above must notice."""
+    from fc_hf.cache import FlexiCache as Cache
+
+    real = Cache.release
+
+    def keeping(self):
+        kept = self._biases
+        real(self)
+        self._biases = kept
+
+    monkeypatch.setattr(Cache, "release", keeping)
     with pytest.raises(AssertionError, match="outlive release"):
         test_release_frees_everything_the_cache_allocated(None)

@@ -81,7 +81,7 @@ def test_release_frees_the_memory():
     report = cache.memory_report()
     held = report["device_kv_bytes"] + report["host_kv_bytes"] + report["metadata_bytes"]
     assert held > 30 * MB  # 32 MB of K/V (a quarter on the device, the stable heads' on the host) and metadata
-    pools = [weakref.ref(g.store.k_pool) for l in cache.flexi_layers for g in l.groups]
+    pools = [weakref.ref(l.store.full_k) for l in cache.flexi_layers]
     gc.collect()
     before = rss_bytes()
     cache.release()

@@ -21,22 +21,20 @@ FULL = FlexiCacheConfig(page_size=4, token_budget=128)
 pytestmark = pytest.mark.usefixtures("no_grad")
 
 
-def _device_tensors(group):
-    s = group.store
-    return {"k_pool": s.k_pool, "v_pool": s.v_pool, "table": s.table, "meta": s.meta, "free": s.pool.free,
-            "head_index": group.head_index}
+def _device_tensors(layer):
+    s = layer.store
+    names = ("full_k", "full_v", "meta", "win_k", "win_v", "win_pages", "win_shift", "win_tok", "length_t")
+    tensors = {name: getattr(s, name) for name in names}
+    tensors.update(carried=layer.selector.carried_pages, rows=s.rows.stable, promoted=layer.promoted)
+    return tensors
 
 
 def assert_layer_on(layer, device):
-    """Every device-tier tensor of `layer` on `device`; the host tier (if any) in CPU memory."""
+    """Every tensor of `layer` on `device` (on a CPU the host tier, the stable rows' full tier, is its memory)."""
     device = torch.device(device)
     assert layer.device == device
-    for group in layer.groups:
-        for name, t in _device_tensors(group).items():
-            assert t.device == device, f"layer {layer.layer_idx} {group.kind} {name} on {t.device}, expected {device}"
-        host = group.store.host
-        if host is not None and host.host_k is not None:
-            assert host.host_k.device.type == "cpu" and host.host_v.device.type == "cpu"
+    for name, t in _device_tensors(layer).items():
+        assert t.device == device, f"layer {layer.layer_idx} {name} on {t.device}, expected {device}"
 
 
 def test_each_layer_initialises_on_its_keys_device():
@@ -50,8 +48,7 @@ def test_each_layer_initialises_on_its_keys_device():
     cache.update(torch.empty(2, 2, 21, 16, device="meta"), torch.empty(2, 2, 21, 16, device="meta"), 1)
     assert_layer_on(cache.layers[0], "cpu")
     assert_layer_on(cache.layers[1], "meta")
-    stable = [g for g in cache.layers[0].groups if g.kind == "stable"][0]
-    assert stable.store.host.host_k is not None and stable.store.host.pages == 5  # the CPU layer's tier is populated
+    assert cache.memory_report()["host_kv_bytes"] > 0  # the CPU layer's stable head has a host tier
     k, v = cache.layers[0].dense_kv()
     assert torch.equal(k, k0) and torch.equal(v, v0)
     assert cache.get_seq_length() == 21
@@ -104,7 +101,6 @@ def test_accelerate_hooks_split_over_cpu_and_meta():
         module.to(device)
         add_hook_to_module(module, AlignDevicesHook(execution_device=torch.device(device), io_same_device=False))
     cache = FlexiCache(model.config, CFG, profile(model.config))
-    cache.check_residency = False  # reading a 'meta' tensor's values (the residency check does) is impossible
     decode(model, cache)
     assert_layer_on(cache.layers[0], "cpu")
     assert_layer_on(cache.layers[1], "meta")
@@ -133,8 +129,6 @@ def test_device_map_split_over_cuda_and_cpu():
     assert torch.equal(out.cpu(), ref.cpu())
     assert_layer_on(cache.layers[0], "cuda:0")
     assert_layer_on(cache.layers[1], "cpu")
-    stable = [g for g in cache.layers[0].groups if g.kind == "stable"][0]
-    assert stable.store.host.host_k.is_pinned()  # the CUDA layer's host tier is pinned for async copies
     low = FlexiCache(model.config, CFG, profile)
     out = model.generate(input_ids=ids, attention_mask=mask, past_key_values=low, max_new_tokens=40, do_sample=False,
                          pad_token_id=0)

@@ -2,7 +2,7 @@
 
 A registered attention function ("flexicache_trace") sees every layer's post-RoPE query and full
 keys. At decode steps (query length 1) it keeps per-page key min/max (incrementally: a page's entry
-is written once, when it is full), scores the pages with the Quest bound (`score_pages`: one
+is written once, when it is full), scores the pages with the Quest bound (`page_scores`: one
 MinMax entry per page, GQA max over the group, page being filled forced in; no sink page, sub-pages or
 refinement, i.e. the authors' selection, not FlexiCache's default) and records the top-K indices per KV
 head: stability is measured on the bound's choices, as the paper does. The output then comes from transformers' sdpa attention over all keys,
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from fc_hf.compat import cache_kwarg
-from fc_hf.kernels.torch_backend import score_pages, select_topk
+from fc_hf.kernels.torch_backend import page_scores
 from fc_hf.profile import attention_shape
 
 TRACE_ATTENTION = "flexicache_trace"
@@ -86,7 +86,7 @@ class PageTracer:
             new = key[:, done * self.page_size : full * self.page_size].reshape(heads, full - done, self.page_size, dim)
             meta[:, done:full] = torch.cat([new.amax(dim=2), new.amin(dim=2)], dim=-1)
             self._full[layer] = full
-        # The partial last page needs no entry: score_pages forces it in with +inf.
+        # The partial last page needs no entry: it is forced in with +inf.
 
     def observe(self, layer: int, query: torch.Tensor, key: torch.Tensor) -> None:
         """Record layer `layer`'s top-K pages for the current step.
@@ -104,8 +104,10 @@ class PageTracer:
         self._update_meta(layer, key)
         pages = -(-length // self.page_size)
         q = query[0, :, 0].detach().reshape(heads, -1, query.shape[-1])  # query head j -> KV head j // G
-        scores = score_pages(q, self._meta[layer], pages)
-        chosen = select_topk(scores, self.k)
+        bias = torch.zeros(heads, pages)
+        bias[:, -1] = float("inf")  # the page being filled is always selected
+        scores = page_scores(q, self._meta[layer][:, :pages].transpose(1, 2), bias, 1)
+        chosen = torch.topk(scores, min(self.k, pages), dim=-1).indices
         self.topk[self.step, layer, :, : chosen.shape[1]] = chosen
         self.num_pages[self.step] = pages
 
