@@ -82,13 +82,14 @@ def attend(layer, query: torch.Tensor, ctx: DecodeContext, attention_mask, scali
         ranked = rows.unstable if stable_ranked is None else torch.cat(
             [rows.unstable, layer.stable_rows.index_select(0, stable_ranked)])
         ranking = selector.rank(q.index_select(0, ranked.clamp(max=n - 1)), ranked, store, bias, scaling)
-        layer.note_ranking(ranking, n_e)
+        layer.note_ranking(ranking, n_e, ranked)
     if n_e:
         _attend_unstable(layer, q, ranking, bias, scaling, softcap, out)
     deferred = layer.cfg.promotion == "deferred" and not layer.rank_all
     if n_s:
         if not deferred:
             _move(layer, ranking, stable_ranked, n_e, bias)
+        layer.note_windows()
         _attend_windows(layer, q, bias, scaling, softcap, out)
         if deferred:
             _move(layer, ranking, stable_ranked, n_e, bias)

@@ -90,6 +90,9 @@ class FlexiCacheLayer(VerifiedDecoding, CacheLayerMixin):
         self.prompt_end = 0  # tokens held when the last prompt ended
         self.turn_steps: list[int] = []  # decode steps of each earlier turn (stats)
         self.last_ranking = None  # (pages [N_E, K] of the unstable rows) of the last eager decode step (inspection)
+        # Inspection (eval tools), off by default: the rows ranked and the pages each row read at the last eager step.
+        self.record_reads = False
+        self.last_reads: dict | None = None
         self._init_verification()
 
     # -- transformers CacheLayerMixin ------------------------------------------------------------------
@@ -366,10 +369,41 @@ class FlexiCacheLayer(VerifiedDecoding, CacheLayerMixin):
                              self.store.batch)
         return out
 
-    def note_ranking(self, ranking, n_unstable: int) -> None:
-        """Keep the unstable rows' chosen pages of an eager step (inspection, `profile="auto"`'s trace)."""
-        if not torch.compiler.is_compiling():
-            self.last_ranking = ranking.pages[:n_unstable]
+    def note_ranking(self, ranking, n_unstable: int, ranked: torch.Tensor | None = None) -> None:
+        """Keep the unstable rows' chosen pages of an eager step (inspection, `profile="auto"`'s trace); with
+        `record_reads`, also the rows ranked."""
+        if torch.compiler.is_compiling():
+            return
+        self.last_ranking = ranking.pages[:n_unstable]
+        if self.record_reads:
+            self.last_reads = {"ranked": ranked.clone(), "pages": ranking.pages.clone()}
+
+    def note_windows(self) -> None:
+        """With `record_reads`: the stable rows' window pages as this step's attention reads them."""
+        if self.record_reads and not torch.compiler.is_compiling():
+            self.last_reads = dict(self.last_reads or {}, windows=self.store.win_pages[: self.store.rows.n_stable].clone())
+
+    def pages_read(self) -> list[list[int]]:
+        """With `record_reads`, per row (`b * H + h`) the pages the last eager decode step attended to: an unstable
+        row's ranking, a stable row's window (the pages it holds), a streaming row's sink and recent pages."""
+        store, k, p = self.store, self.cfg.pages_per_head, self.cfg.page_size
+        page = (store.length - 1) // p
+        unstable, stable = store.rows.unstable.tolist(), store.rows.stable.tolist()
+        out = []
+        for row in range(store.n):
+            if row in unstable:
+                pages = self.last_ranking[unstable.index(row)].tolist()
+            elif row in stable:
+                pages = self.last_reads["windows"][stable.index(row)].tolist()
+            else:
+                pages = list(range(page + 1)) if page < k else list(range(self.cfg.streaming_sink_pages)) + list(
+                    range(page + 1 - (k - self.cfg.streaming_sink_pages), page + 1))
+            out.append(sorted({x for x in pages if 0 <= x <= page}))
+        return out
+
+    def rows_ranked(self) -> set[int]:
+        """With `record_reads`, the rows the last eager decode step ranked."""
+        return {int(r) for r in self.last_reads["ranked"].tolist() if r < self.store.n}
 
     # -- profile="auto" (online.py) -----------------------------------------------------------------
     def observe_prefill(self, query: torch.Tensor, attention_mask) -> None:
