@@ -11,9 +11,11 @@ At every such step the diagnosis asks two questions.
    each KV head read. After the run the cache holds every token's K/V, so for the miss step each (layer, KV head) gets,
    with its own query over its own keys: the true attention mass (softmax over every key, mean over the GQA group) that
    its actual pages captured; what the oracle (the K pages of most true mass, the forced pages in) captures; what the
-   cache's own ranking would choose *now* (`fresh`, the production `PageSelector` over a store of the same keys) and
+   cache's own ranking would choose *now* (`fresh`: `PageSelector.rank`, the production ranking, over a `PageStore` of
+   the same keys with the step's forced pages and the layer's carried candidates of that step, `fresh_selection`) and
    its candidates. The lost mass `1 - actual` splits into causes:
-   - **stale**: `fresh - actual` for a stable head that did not rank at this step (its set dates from its last re-rank);
+   - **stale**: `fresh - actual` for a stable head that did not rank at this step (its set dates from its last ranking,
+     `fc_hf/schedule.py`);
    - **bound miss** / **outranked**: `oracle - fresh`, split by where the oracle's missing pages were: not among the
      refinement's candidates (the bound did not propose them) or among them but beaten by K others;
    - **broad**: `1 - oracle`: no selection of K pages holds it.
@@ -66,8 +68,10 @@ class Case:
 
 # -- the FlexiCache run: what each head read at each step ------------------------------------------------------------
 class StepRecorder:
-    """FlexiCache's attention function, recording per decode step and layer the query `[Hq, D]` and, per KV head, the
-    pages it read and whether it ranked at that step (batch 1)."""
+    """FlexiCache's attention function, recording per decode step and layer (batch 1: row `h` is KV head `h`) the query
+    `[Hq, D]`, the pages each KV head read (`layer.pages_read()`), whether it ranked at that step
+    (`layer.rows_ranked()`), its kind, and the layer's carried candidates before the step (`PageSelector.mark()`, for
+    `fresh_selection`). The layers record their reads (`record_reads`, set by `flexicache_forced`)."""
 
     def __init__(self):
         self.steps: list[dict[int, dict]] = []
@@ -80,18 +84,16 @@ class StepRecorder:
         from fc_hf.layer import DecodePlaceholder
 
         layer = key.fc_layer if isinstance(key, DecodePlaceholder) else None
-        before = None if layer is None else [g.rankings for g in layer.groups]
+        carried = None if layer is None else tuple(t.cpu() for t in layer.selector.mark())
         out = flexicache_attention_forward(module, query, key, value, attention_mask, **kwargs)
         if layer is not None:
-            pages, ranked = [None] * layer.num_kv_heads, [False] * layer.num_kv_heads
-            for group, count in zip(layer.groups, before):
-                read = group.last_read.cpu()
-                for i, h in enumerate(group.heads):
-                    pages[h] = read[i][read[i] >= 0]
-                    ranked[h] = group.rankings > count
-            self.steps[-1][layer.layer_idx] = {"query": query[0, :, -1].detach().float().cpu(), "pages": pages,
-                                               "ranked": ranked, "kinds": {h: g.kind for g in layer.groups
-                                                                           for h in g.heads}}
+            heads = range(layer.num_kv_heads)
+            ranked = layer.rows_ranked()
+            self.steps[-1][layer.layer_idx] = {
+                "query": query[0, :, -1].detach().float().cpu(),
+                "pages": [torch.tensor(p, dtype=torch.long) for p in layer.pages_read()],
+                "ranked": [h in ranked for h in heads], "kinds": {h: layer.kinds.kind_of(h) for h in heads},
+                "carried": carried}
         return out
 
 
@@ -108,6 +110,8 @@ def flexicache_forced(model, prefill, cache, forced: Sequence[int]) -> tuple[tor
     """Feed `forced` one token at a time after the prompt into `cache`; `(log-probs [S, V], recorder)`."""
     recorder = StepRecorder()
     load_prefill(prefill, cache, model, "flexicache")
+    for layer in cache.flexi_layers:
+        layer.record_reads = True
     _register(_RECORD, recorder)
     model.set_attn_implementation(_RECORD)
     device = next(model.parameters()).device
@@ -162,22 +166,36 @@ def oracle_pages(mass: torch.Tensor, k_pages: int, sink_pages: int) -> list[torc
     return list(top)
 
 
-def fresh_selection(cfg: FlexiCacheConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                    scaling: float) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """`(chosen, candidates)` per head: what the cache's own ranking (`PageSelector`, production code) chooses now over
-    a store holding exactly these keys, and the candidates its bound proposed."""
-    from fc_hf.paged_store import PagedKV
+def fresh_selection(cfg: FlexiCacheConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float,
+                    carried: tuple[torch.Tensor, torch.Tensor] | None = None
+                    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """`(chosen, candidates)` per head: what the cache's own ranking chooses now over exactly these keys, and the
+    candidates its bound proposed (every page without refinement).
+
+    The production path itself: a `PageStore` of the same keys (every head ranked), the step's `StepBias` (every token
+    attendable, the page being filled and the sink forced) and `PageSelector.rank`, with `carried` (the layer's
+    `PageSelector.mark()` before the step; None: nothing carried) as the selector's carried candidates. The candidates
+    are the ranking's own (every page without refinement). Pages past the
+    page being filled (a ranking's filler when fewer pages exist than it picks) are dropped."""
+    from fc_hf.rows import HeadKinds
     from fc_hf.selection import PageSelector
+    from fc_hf.step_bias import StepBias
+    from fc_hf.store import PageStore
 
     h, length, d = k.shape
-    store = PagedKV(1, h, cfg.page_size, d, v.shape[-1], k.dtype, k.device, tiered=False, subpages=cfg.subpages)
-    store.append(k[None], v[None])
-    selector = PageSelector(cfg)
-    query = q.to(k.dtype)
-    scores = selector.scores(query, store, None)
-    cand = torch.topk(scores, min(cfg.candidate_pages or scores.shape[-1], scores.shape[-1]), dim=-1).indices
-    chosen = selector.select(scores, query, store, scaling, None, h)
-    return list(chosen), list(cand)
+    store = PageStore(HeadKinds.split(h, set(range(h)), set()), cfg, 1, d, v.shape[-1], k.dtype, k.device, length,
+                      host_tier=False)
+    store.write_prompt(k[None], v[None])
+    bias = StepBias(1, store.pages, cfg.page_size, cfg.subpages, cfg.sink_pages, k.device)
+    bias.update(None, torch.tensor(length - 1, device=k.device))  # the step's own token is the last
+    selector = PageSelector(cfg, store.n, k.device)
+    if carried is not None:
+        selector.restore(tuple(t.to(k.device) for t in carried))
+    ranking = selector.rank(q.to(k.dtype), store.rows.unstable, store, bias, scaling)
+    chosen = ranking.pages
+    cand = ranking.candidates if ranking.candidates is not None else torch.arange(store.pages).expand(h, -1)
+    last = (length - 1) // cfg.page_size
+    return [c[c <= last].sort().values for c in chosen], [c[c <= last] for c in cand]
 
 
 class SelectAttention:
@@ -257,8 +275,10 @@ class StepReplay:
         return _pages_mask(oracle_pages(page_mass(q, k, s, self.cfg.page_size), self.cfg.pages_per_head,
                                         self.cfg.sink_pages), k.shape[1], self.cfg.page_size)
 
-    def fresh(self, layer, q, k, v, s):
-        return _pages_mask(fresh_selection(self.cfg, q, k, v, s)[0], k.shape[1], self.cfg.page_size)
+    def fresh(self, i: int) -> Callable:
+        rec = self.recorder.steps[i]
+        return lambda layer, q, k, v, s: _pages_mask(fresh_selection(self.cfg, q, k, v, s, rec[layer]["carried"])[0],
+                                                     k.shape[1], self.cfg.page_size)
 
     @staticmethod
     def dense(layer, q, k, v, s):
@@ -289,7 +309,7 @@ def head_losses(replay: StepReplay, i: int) -> list[dict]:
         q, k, v, scaling = replay.layer_step(i, layer)
         mass = page_mass(q, k, scaling, cfg.page_size)
         oracle = oracle_pages(mass, cfg.pages_per_head, cfg.sink_pages)
-        fresh, cand = fresh_selection(cfg, q, k, v, scaling)
+        fresh, cand = fresh_selection(cfg, q, k, v, scaling, rec[layer]["carried"])
         for h in range(k.shape[0]):
             m = mass[h]
             actual = rec[layer]["pages"][h]
@@ -327,7 +347,7 @@ def diagnose_step(replay: StepReplay, i: int, dense_token: int, miss_token: int,
 
     base = replay.logits(i, actual)
     res = {"replay_top1": int(base.argmax()), "replay_margin": margin(base)}
-    for name, policy in (("fresh", replay.fresh), ("oracle", replay.oracle), ("dense", replay.dense)):
+    for name, policy in (("fresh", replay.fresh(i)), ("oracle", replay.oracle), ("dense", replay.dense)):
         lp = replay.logits(i, policy)
         res[name] = {"top1_is_dense": int(lp.argmax()) == dense_token, "margin": margin(lp)}
     heads = [(l, h) for l in replay.kv for h in range(replay.kv[l][0].shape[1])]

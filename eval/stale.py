@@ -7,7 +7,8 @@ read at no extra bytes (the step's query and the resident pages' logits are in h
 
 - `cos`: the cosine between the query and the query at the head's last ranking (mean over the GQA group);
 - `lse_drop`: how far the log-sum-exp of the resident logits fell since the last ranking (max over the group);
-- `since`: steps since the last ranking (what `rerank_interval` acts on).
+- `since`: steps since the last ranking (what `rerank_interval` acts on; each stable head ranks at its own phase of
+  it, `fc_hf/schedule.py`).
 
     flexicache eval stale --model qwen2.5-coder-0.5b-instruct --sources leval:financial_qa:2 --out stale.jsonl
 
@@ -48,7 +49,8 @@ def stale_rows(model, cache, case_name: str, prompt_len: int, forced, recorder, 
             q, k, v, scaling = replay.layer_step(i, layer)
             logits = exact_logits(q, k, scaling)
             mass = page_mass(q, k, scaling, cfg.page_size, logits)
-            fresh = None if all(r["ranked"][h] for h in heads) else fresh_selection(cfg, q, k, v, scaling)[0]
+            fresh = None if all(r["ranked"][h] for h in heads) else fresh_selection(cfg, q, k, v, scaling,
+                                                                                     r["carried"])[0]
             for h in heads:
                 pages = r["pages"][h]
                 tokens = (pages[:, None] * cfg.page_size + torch.arange(cfg.page_size)).flatten()

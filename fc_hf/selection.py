@@ -31,12 +31,14 @@ CARRIED_SCORE = torch.finfo(torch.float32).max
 
 @dataclass
 class Ranking:
-    """What a ranking of `n` rows chose: `pages [n, K]`; with refinement `top [n, K]` (their places among the
-    candidates) and `logits [n, G, C, P]` (the candidates' scaled, masked fp32 logits, for that step's attention)."""
+    """What a ranking of `n` rows chose: `pages [n, K]`; with refinement the `candidates [n, C]` the bound proposed
+    (carried pages raised), `top [n, K]` (the chosen ones' places among them) and `logits [n, G, C, P]` (the
+    candidates' scaled, masked fp32 logits, for that step's attention)."""
 
     pages: torch.Tensor
     top: torch.Tensor | None = None
     logits: torch.Tensor | None = None
+    candidates: torch.Tensor | None = None
 
 
 class PageSelector:
@@ -77,7 +79,7 @@ class PageSelector:
         if self.carry:
             self._carry(rows, cand, mass, bias.page)
         top = torch.topk(mass, k, dim=-1, sorted=False).indices
-        return Ranking(cand.gather(1, top), top, logits)
+        return Ranking(cand.gather(1, top), top, logits, cand)
 
     def _carry(self, rows: torch.Tensor, cand: torch.Tensor, mass: torch.Tensor, page: torch.Tensor) -> None:
         """Carry, into the rows' next ranking, their `carry_pages` candidates of most mass and the page after each (the

@@ -31,16 +31,6 @@ def require_asset(name: str, packages: bool = False) -> None:
         pytest.skip(str(e))
 
 
-def pytest_configure(config):
-    # FLEXICACHE_TEST_TRANSFERS=deferred: every tier copy of the run goes through the deferred fake
-    # (tests/deferred_transfers.py), which makes the CUDA stream ordering checkable on a CPU.
-    if os.environ.get("FLEXICACHE_TEST_TRANSFERS") == "deferred":
-        import fc_hf.transfer as transfer
-        from deferred_transfers import DeferredStreams
-
-        transfer.streams_for = DeferredStreams
-
-
 def pytest_collection_modifyitems(config, items):
     has_cuda = torch.cuda.is_available()
     slow_ok = os.environ.get("FLEXICACHE_SLOW") == "1"

@@ -39,8 +39,9 @@ def test_from_the_repository_root_import_kernels_finds_the_installed_package(ins
     out = _run_from_root(
         "import sys, kernels, kernels.layers\n"
         "from kernels import CUDAProperties\n"
-        "import fc_hf.kernels as ours\n"
-        "print(sys.path[0] == '', CUDAProperties, kernels.layers.NAME, ours.__name__, callable(ours.score_pages))",
+        "import fc_hf.kernels as ours, fc_hf.kernels.dispatch\n"
+        "print(sys.path[0] == '', CUDAProperties, kernels.layers.NAME, ours.__name__,\n"
+        "      callable(ours.dispatch.page_scores))",
         pythonpath=installed_kernels,
     )
     assert out == "True the installed kernels package installed submodule fc_hf.kernels True"

@@ -12,13 +12,13 @@ from fc_hf.eval.shared_prefill import dense_prefill, forced_decode
 pytestmark = pytest.mark.usefixtures("no_grad")
 
 
-def _run(carry_pages=None, steps=14):
-    model = tiny_model("llama", layers=2, heads=4, kv_heads=2)
+def _run(carry_pages=None, steps=14, kv_heads=2, unstable=((0, 1), (1, 0))):
+    model = tiny_model("llama", layers=2, heads=2 * kv_heads, kv_heads=kv_heads)
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(1, 97, (150,), generator=g).tolist()
     target = torch.randint(1, 97, (steps,), generator=g).tolist()
     cfg = FlexiCacheConfig(page_size=4, token_budget=16, rerank_interval=4, carry_pages=carry_pages)
-    profile = HeadProfile.from_unstable(model.config, [(0, 1), (1, 0)])
+    profile = HeadProfile.from_unstable(model.config, list(unstable))
     prefill = dense_prefill(model, prompt)
     cache = FlexiCache(model.config, cfg, profile)
     logprobs, recorder = misses.flexicache_forced(model, prefill, cache, target)
@@ -35,8 +35,9 @@ def test_replay_reproduces_the_run_and_dense_attention():
     assert not torch.allclose(logprobs[0], dense[0], atol=1e-4)  # the budget is sparse: the two differ
 
 
-def test_fresh_ranking_is_the_caches_own_and_causes_are_consistent():
-    *_, replay = _run(carry_pages=0)
+@pytest.mark.parametrize("carry_pages", [0, None])  # None: the default carried candidates, restored per step
+def test_fresh_ranking_is_the_caches_own_and_causes_are_consistent(carry_pages):
+    *_, replay = _run(carry_pages=carry_pages)
     checked = 0
     for i in range(1, 14):
         for row in misses.head_losses(replay, i):
@@ -48,7 +49,39 @@ def test_fresh_ranking_is_the_caches_own_and_causes_are_consistent():
                 checked += 1
             if row["kind"] == "stable" and not row["ranked"]:
                 assert row["loss"]["stale"] == pytest.approx(max(0.0, row["fresh"] - row["actual"]))
-    assert checked >= 13 * 2  # the two unstable heads at every step, the stable ones at their re-ranks
+    # The two unstable heads at every step; the stable ones (one per layer, phase 0 of R = 4) at steps 4, 8 and 12.
+    assert checked == 13 * 2 + 3 * 2
+
+
+def test_recorded_rankings_follow_the_staggered_schedule():
+    """Three stable heads a layer rank at their own phases (`fc_hf/schedule.py`): the recorder's `ranked` follows the
+    schedule, a ranked head read what a fresh ranking chooses, and between its rankings a stable head reads its last
+    ranking's pages and the pages opened since."""
+    from fc_hf.schedule import phase_of
+
+    *_, replay = _run(kv_heads=4, unstable=((0, 2), (1, 0)))
+    steps = replay.recorder.steps
+    for layer in (0, 1):
+        stable = [h for h, kind in steps[0][layer]["kinds"].items() if kind == "stable"]
+        assert len(stable) == 3
+        last = {}
+        for i, rec in enumerate(steps):
+            s = i + 1  # the decode step since the prompt
+            page = (replay.prompt_len + i) // replay.cfg.page_size
+            heads = {row["head"]: row for row in misses.head_losses(replay, i) if row["layer"] == layer}
+            for j, h in enumerate(stable):
+                due = s == 1 or s % 4 == phase_of(j, 3, 4)
+                assert rec[layer]["ranked"][h] == due, (layer, i, h)
+                pages = rec[layer]["pages"][h].tolist()
+                if due:
+                    assert heads[h]["fresh_is_actual"], (layer, i, h)
+                    last[h] = (pages, page)
+                else:
+                    before, at = last[h]
+                    assert pages == sorted(set(before) | set(range(at + 1, page + 1))), (layer, i, h)
+    # Every step ranks one stable head of each layer (phases 0, 1, 2 of R = 4; none at phase 3), all at step 1.
+    ranked = [sum(steps[i][layer]["ranked"][h] for layer in (0, 1) for h in range(4)) for i in range(len(steps))]
+    assert ranked == [8] + [2 + 2 * ((i + 1) % 4 != 3) for i in range(1, len(steps))]
 
 
 def test_verdict_is_the_largest_loss_at_the_decisive_heads():

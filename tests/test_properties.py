@@ -5,29 +5,24 @@ size, K, re-rank interval, offload, promotion mode), a profile (any subset of he
 None), a batch with random left padding (and masked spans inside prompts), and prompt/decode lengths; then teacher-forces random
 tokens and checks after every decode step:
 (a) host and device tiers together hold every K/V the cache was given, bit for bit;
-(b) the sparse attention of every head group equals brute-force dense attention (fp64) over exactly
-    the selected pages' tokens, taken from the K/V the cache was *given* (so a page in the wrong slot
-    fails too), and each selection has the current page, no duplicate, and every page while <= K;
+(b) the sparse attention of every row equals brute-force dense attention (fp64) over exactly the pages it read (an
+    unstable row its ranking, a stable row its window), taken from the K/V the cache was *given* (so a page in the
+    wrong place fails too), and each read set has the current page, no duplicate, and every page while <= K;
 (c) with a budget covering every token, logits equal a DynamicCache run.
-Half the examples of (a)-(b) run the tier copies through the deferred fake backend
-(tests/deferred_transfers.py), so a missing stream wait shows as NaN or a lost page.
 Bounded for CI: few examples, derandomized; FLEXICACHE_HYPOTHESIS_EXAMPLES raises the count.
 """
 
 import os
-from contextlib import nullcontext
 
 import torch
 from conftest import tiny_model
-from deferred_transfers import deferred_transfers
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from robustness_helpers import RecordingCache, forced_decode
 from transformers import DynamicCache
 
-import fc_hf.kernels as kernels
+import fc_hf.decode as decode
 from fc_hf import FlexiCacheConfig, HeadProfile
-from fc_hf.head_group import HeadGroup
 from fc_hf.kernels import bruteforce
 
 EXAMPLES = int(os.environ.get("FLEXICACHE_HYPOTHESIS_EXAMPLES", "12"))
@@ -63,8 +58,7 @@ def cases(draw, full_budget=False):
         promotion=draw(st.sampled_from(["sync", "deferred"])),
     )
     return dict(layers=layers, kv_heads=kv_heads, heads=kv_heads * ratio, head_dim=head_dim, prompt=prompt,
-                decode=decode, pads=pads, holes=holes, unstable=unstable, cfg=cfg, seed=draw(st.integers(0, 2**16)),
-                deferred_copies=draw(st.booleans()))
+                decode=decode, pads=pads, holes=holes, unstable=unstable, cfg=cfg, seed=draw(st.integers(0, 2**16)))
 
 
 def _setup(case):
@@ -89,61 +83,59 @@ def _setup(case):
 def test_tiers_reconstruct_everything_and_attention_matches_bruteforce(case):
     model, ids, mask, forced, profile = _setup(case)
     cfg = FlexiCacheConfig(**case["cfg"])
-    cache = None  # made inside the transfer backend below
+    cache = RecordingCache(model.config, cfg, profile)
     checked = []
-    real_attend = HeadGroup.attend
+    real_attend, real_windows = decode.attend, decode._attend_windows
+    windows = {}
 
-    def spy_attend(group, query, step, token_valid, page_valid, scaling, softcap, check, out=None):
-        seen = {}
-        real_sda = kernels.sparse_decode_attention
+    def spy_windows(layer, *a, **k):
+        windows[layer.layer_idx] = layer.store.win_pages[: layer.store.rows.n_stable].clone()
+        return real_windows(layer, *a, **k)
 
-        def spy_sda(q, k_pool, v_pool, slots, pages, length, *a, **k):
-            seen.update(pages=pages.clone(), length=length)
-            return real_sda(q, k_pool, v_pool, slots, pages, length, *a, **k)
-
-        kernels.sparse_decode_attention = spy_sda
-        try:
-            out = real_attend(group, query, step, token_valid, page_valid, scaling, softcap, check, out=out)
-        finally:
-            kernels.sparse_decode_attention = real_sda
-        layer = next(i for i, l in enumerate(cache.layers) if group in getattr(l, "groups", ()))
-        length = seen["length"]
+    def spy_attend(layer, query, ctx, attention_mask, scaling, softcap):
+        out = real_attend(layer, query, ctx, attention_mask, scaling, softcap)
+        length = layer.store.length  # the step's token included
         valid = torch.cat([mask, mask.new_ones(mask.shape[0], length - mask.shape[1])], 1).bool()  # ground truth
-        _check_group(cache, layer, group, query, out, seen["pages"], length, valid, scaling, cfg)
-        checked.append(layer)
+        _check_layer(cache, layer, query, out, windows.pop(layer.layer_idx, None), length, valid, scaling, cfg)
+        checked.append(layer.layer_idx)
         return out
 
-    HeadGroup.attend = spy_attend
+    decode.attend, decode._attend_windows = spy_attend, spy_windows
     try:
-        with deferred_transfers() if case["deferred_copies"] else nullcontext():
-            cache = RecordingCache(model.config, cfg, profile)
-            forced_decode(model, cache, ids, mask, forced, on_step=lambda t: cache.assert_nothing_lost(f"step {t}"))
+        forced_decode(model, cache, ids, mask, forced, on_step=lambda t: cache.assert_nothing_lost(f"step {t}"))
     finally:
-        HeadGroup.attend = real_attend
+        decode.attend, decode._attend_windows = real_attend, real_windows
     assert len(set(checked)) == case["layers"]  # every layer's decode went through the sparse path
 
 
-def _check_group(cache, layer, group, query, out, pages, length, token_valid, scaling, cfg):
-    """(b): `out [N, G, D]` == brute force over the tokens of `pages [N, M]`, with the true K/V and mask `[B, L]`."""
-    keys, values = cache.seen[layer]
-    heads = group.head_index
-    b = keys.shape[0]
-    n = b * len(group.heads)
-    keys = keys[:, heads].reshape(n, length, -1)
-    values = values[:, heads].reshape(n, length, -1)
-    num_pages = -(-length // cfg.page_size)
-    allowed = torch.zeros(n, num_pages * cfg.page_size, dtype=torch.bool)
-    for row in range(n):
-        chosen = [p for p in pages[row].tolist() if p >= 0]
-        assert len(chosen) == len(set(chosen)), f"row {row} selects a page twice: {chosen}"
-        assert num_pages - 1 in chosen, "the page being filled must always be selected"
-        if num_pages <= cfg.pages_per_head and group.kind != "streaming":
-            assert sorted(chosen) == list(range(num_pages)), "with <= K pages every page is selected"
-        for p in chosen:
-            allowed[row, p * cfg.page_size : (p + 1) * cfg.page_size] = True
-    allowed = allowed[:, :length] & token_valid.repeat_interleave(len(group.heads), 0)
-    brute = bruteforce.dense_attention_bruteforce(query, keys, values, allowed, scaling)
-    torch.testing.assert_close(out.float(), brute, rtol=1e-4, atol=1e-5)
+def _check_layer(cache, layer, query, out, windows, length, token_valid, scaling, cfg):
+    """(b): each row's output `[B, 1, Hq, D]` == brute force over the tokens of the pages it read."""
+    keys, values = cache.seen[layer.layer_idx]
+    store, k, p = layer.store, cfg.pages_per_head, cfg.page_size
+    heads, ratio = store.heads, query.shape[1] // store.heads
+    num_pages = -(-length // p)
+    unstable, stable = store.rows.unstable.tolist(), store.rows.stable.tolist()
+    for row in range(store.n):
+        b, h = divmod(row, heads)
+        if row in unstable:
+            read = [x for x in layer.last_ranking[unstable.index(row)].tolist() if x < num_pages]
+        elif row in stable:
+            read = [x for x in windows[stable.index(row)].tolist() if 0 <= x < num_pages]
+        else:
+            read = bruteforce.streaming_pages_bruteforce(num_pages, k, cfg.streaming_sink_pages)
+        assert len(read) == len(set(read)), f"row {row} reads a page twice: {read}"
+        assert num_pages - 1 in read, "the page being filled must always be read"
+        if num_pages <= k:  # every page with an attendable token (an all-padding page is as good as none)
+            attendable = [x for x in range(num_pages) if bool(token_valid[b, x * p : (x + 1) * p].any())]
+            assert set(attendable) <= set(read), "with <= K pages every page is read"
+        allowed = torch.zeros(num_pages * p, dtype=torch.bool)
+        for page in read:
+            allowed[page * p : (page + 1) * p] = True
+        allowed = allowed[:length] & token_valid[b]
+        q = query[b, h * ratio : (h + 1) * ratio, 0]
+        brute = bruteforce.dense_attention_bruteforce(q[None], keys[b, h][None], values[b, h][None], allowed[None],
+                                                      scaling)
+        torch.testing.assert_close(out[b, 0, h * ratio : (h + 1) * ratio].float(), brute[0], rtol=1e-4, atol=1e-5)
 
 
 @SETTINGS

@@ -25,8 +25,8 @@ from conftest import require_asset
 from transformers import DynamicCache
 
 from fc_hf import FlexiCache, FlexiCacheConfig, HeadProfile, register
+from fc_hf.kernels import dispatch
 from fc_hf.profile import PROFILE_DIR
-from fc_hf import kernels
 
 BUDGET = 512
 BOUND = 0.75  # best control 0.625 (40 of 64 steps), flexicache 0.875 (56 of 64)
@@ -102,11 +102,11 @@ def test_controls_fall_below_the_bound(recall, method, monkeypatch):
     if method == "random":
         g = torch.Generator().manual_seed(0)
 
-        def random_scores(query, meta, num_pages, page_valid=None, backend=None, subpages=1, sink_pages=0):
-            scores = torch.rand(query.shape[0], num_pages, generator=g)
-            scores[:, num_pages - 1] = float("inf")  # the page being filled, as the real scoring forces it
-            scores[:, :sink_pages] = float("inf")
-            return scores if page_valid is None else scores.masked_fill(~page_valid, float("-inf"))
+        def random_scores(query, meta, bias, subpages, backend=None):
+            # The step's bias as the real scoring adds it: +inf forces the page being filled and the sink, -inf rules
+            # out pages with no attendable token; every other page scores at random.
+            forced = bias.view(bias.shape[0], -1, subpages).amax(dim=-1)
+            return torch.rand(forced.shape, generator=g) + forced
 
-        monkeypatch.setattr(kernels, "score_pages", random_scores)
+        monkeypatch.setattr(dispatch, "page_scores", random_scores)
     assert _agreement(recall, _cache(recall[0], method)) < BOUND
