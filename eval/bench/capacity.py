@@ -3,9 +3,10 @@
 `capacity`: the device may hold no more KV than dense needs at `--capacity-cap` tokens (16k). Per method, the
 longest prompt that can be prefilled and then decoded for 64 tokens under that cap, and the largest batch at
 the cap's length. Device KV counted as a real prefill holds it: what the cache holds (`memory_report`'s
-`peak_device_kv_bytes`, counted by the cache itself: page pools, and for chunks on a filled cache the one-layer
-read-back) plus the K/V of one layer that the prefill forward itself computes for the tokens it is given (the
-whole prompt unchunked, one chunk chunked). Methods:
+`peak_device_kv_bytes`, counted by the cache itself: its store, allocated at the first chunk for the prompt and the
+64 decode steps, `max_cache_len`, as generate sizes it) plus the K/V of one layer that the prefill forward itself
+computes for the tokens it is given (the whole prompt unchunked, one chunk chunked; a chunk on a filled cache
+attends over views of the store, no copy). Methods:
 
 - `dense`: `DynamicCache`, analytic (it holds exactly its tokens, plus the forward's one layer: during a chunk's
   `torch.cat` the layer's previous K/V are held once more). The cap is dense's peak at the cap's length, so dense
@@ -22,7 +23,8 @@ host <-> device per decode step (promotions and offloads, from `FlexiCache.stats
 
 `chunked-prefill`: the time of a real prefill (the model over random tokens) of `--chunk-lengths` tokens with
 `DynamicCache` and FlexiCache, unchunked and with `prefill_chunk_size`, alternating the four in one worker so load
-drift hits all of them; the ratio FlexiCache chunked / DynamicCache chunked is the read-back's cost.
+drift hits all of them; the ratio FlexiCache chunked / DynamicCache chunked is what chunking costs FlexiCache (its
+chunks write the store and its MinMax entries and attend over every token held) beside what it costs dense.
 """
 
 from __future__ import annotations
@@ -36,28 +38,32 @@ import torch
 
 from fc_hf.compat import cache_kwarg
 
+from fc_hf.config import FlexiCacheConfig
+
 from ..methods import make_cache
-from .common import (bench_profile, build_model, decode_step, environment, log, model_config, parse_sizes,
+from .common import (bench_cache, bench_profile, build_model, decode_step, environment, log, model_config, parse_sizes,
                      run_worker, unstable_share, write_json)
 
 __all__ = ["analytic_peak_fraction", "suite_capacity", "suite_chunked_prefill", "capacity_worker", "prefill_worker",
            "real_worker"]
 
 DECODE_STEPS = 64
+DEFAULTS = FlexiCacheConfig()
 
 
-def analytic_peak_fraction(u: float, layers: int, length: int, budget: int = 1024, page_size: int = 16,
-                           rerank: int = 16, chunk: int | None = None, cuda: bool = False) -> float:
+def analytic_peak_fraction(u: float, layers: int, length: int, budget: int = DEFAULTS.token_budget,
+                           page_size: int = DEFAULTS.page_size, rerank: int = DEFAULTS.rerank_interval,
+                           chunk: int | None = None) -> float:
     """FlexiCache's device KV at its peak as a share of dense's at `length`, from the design.
 
-    Prefill: unchunked, the cache holds the unstable heads' pages (`u`) and the forward one layer of the prompt
-    (`1 / layers`); chunked, the same plus the one-layer read-back (`1 / layers`; on CUDA also the device copy of this
-    layer's stable pages and the next layer's prefetched, `2 (1 - u) / layers`) against one chunk of the forward. Decode: `u` plus each stable head's
-    top-K and the pages opened before its next re-rank, `(1 - u) (B + (ceil(R / P) + 2) P) / L`."""
+    The store is allocated once, at the first chunk, for every token it will hold: every page of the unstable heads
+    (`u`) and each stable row's window of `K + ceil(R / P) + 1` pages, `(1 - u) (B + (ceil(R / P) + 1) P) / L`
+    (`fc_hf/store.py`); prefill and decode hold the same. The peak is during the prefill, which adds the forward's own
+    K/V of one layer for the tokens it is given (`1 / layers` of the prompt unchunked, of one chunk chunked); a chunk
+    on a filled cache attends over views of the store (no read-back copy)."""
     forward = (chunk if chunk else length) / length / layers
-    prefill = u + forward + ((1 + (2 * (1 - u) if cuda else 0)) / layers if chunk else 0)
-    decode = u + (1 - u) * min(1.0, (budget + (math.ceil(rerank / page_size) + 2) * page_size) / length)
-    return max(prefill, decode)
+    held = u + (1 - u) * min(1.0, (budget + (math.ceil(rerank / page_size) + 1) * page_size) / length)
+    return held + forward
 
 
 def _kv_bytes_per_token(config, dtype) -> int:
@@ -87,7 +93,7 @@ def _counted_case(model, config, profile, length: int, batch: int, chunk: int | 
     from fc_hf.profile import attention_shape
 
     layers, kv_heads, head_dim = attention_shape(config)
-    cache = make_cache("flexicache", config, budget, profile)
+    cache = bench_cache("flexicache", config, budget, profile, tokens=length + DECODE_STEPS)
     per_layer_token = kv_heads * head_dim * 2 * dtype.itemsize * batch
     gen = torch.Generator().manual_seed(length + batch)
     trace, forward_peak = [], 0
@@ -232,7 +238,8 @@ def suite_capacity(args, out: Path) -> None:
     chunk = args.capacity_chunk
     dtype = getattr(torch, args.capacity_dtype)
     rows, results = [], {"environment": environment(), "cap_tokens": cap_len, "chunk": chunk,
-                         "dtype": args.capacity_dtype, "decode_steps": DECODE_STEPS, "shapes": {}}
+                         "budget": args.capacity_budget, "dtype": args.capacity_dtype, "decode_steps": DECODE_STEPS,
+                         "shapes": {}}
     for shape in args.capacity_shapes.split(","):
         shape = shape.strip()
         config = _shape({"shape": shape, "max_positions": 1 << 17})
@@ -318,7 +325,8 @@ def capacity_table(results: dict) -> str:
     for shape, data in results["shapes"].items():
         for c in data["cases"]:
             dense_len = c["dense_kv_bytes"]
-            analytic = analytic_peak_fraction(c["unstable_share"], _layers_of(shape), c["length"], chunk=c["chunk"])
+            analytic = analytic_peak_fraction(c["unstable_share"], _layers_of(shape), c["length"],
+                                              budget=results.get("budget", DEFAULTS.token_budget), chunk=c["chunk"])
             lines.append(f"| {shape} | {c['method']} | {c['length']} | {c['batch']} | {c['peak_bytes'] / dense_len:.3f} | "
                          f"{c['cache_peak_bytes'] / dense_len:.3f} | {c['device_kv_bytes_end'] / dense_len:.3f} | "
                          f"{analytic:.3f} |")
@@ -399,8 +407,9 @@ def prefill_worker(spec: dict) -> None:
     cases = [("dense", None), ("dense", spec["chunk"]), ("flexicache", None), ("flexicache", spec["chunk"])]
     for rep in range(spec["repeats"]):
         for method, chunk in cases if rep % 2 == 0 else cases[::-1]:  # ABBA
-            cache = (DynamicCache(config=config) if method == "dense"
-                     else make_cache("flexicache", config, spec["budget"], profile))
+            cache = (DynamicCache(config=config) if method == "dense"  # FlexiCache sized as generate would size it
+                     else bench_cache("flexicache", config, spec["budget"], profile,
+                                      tokens=spec["length"] + spec["decode_steps"]))
             with torch.no_grad():
                 t0 = time.perf_counter()
                 _prefill(model, ids, cache, kwarg, chunk)

@@ -6,9 +6,9 @@ Suites (run any subset; `all` runs every one):
   dense attention over a cache of only `budget` tokens: the cost of a step that reads as many tokens as
   FlexiCache attends, with no scoring or paging), Quest (FlexiCache with every head unstable, one tier) and
   FlexiCache (profile, host tier) over a grid of context lengths, batch sizes and token budgets, on
-  random-weight models of SmolLM2-135M's shape and of Llama-3.1-8B's attention/MLP shape with fewer layers. Each case also reports the per-phase
-  breakdown of a step (scoring, selection, gather + attention, promotion, everything else, from
-  `FlexiCache.enable_timing()`), peak RSS, and the bytes per tier from `memory_report()`.
+  random-weight models of SmolLM2-135M's shape and of Llama-3.1-8B's attention/MLP shape with fewer layers. Each case
+  times whole steps (a FlexiCache step is one fixed sequence of tensor ops, with no per-phase timer) and also reports
+  peak RSS, the bytes per tier from `memory_report()` and the cache's counters from `stats()`.
   The prefill is replaced by writing random K/V into the cache layer by layer (exactly the calls a
   prefill makes), so 32k-token contexts cost seconds; its time is reported as `ingest_s`.
   `--cache-variants "old=refine_pages=0,score_subpages=1"` adds, per label, Quest and FlexiCache
@@ -16,14 +16,15 @@ Suites (run any subset; `all` runs every one):
   the unlabelled ones (the batch suite too).
 - `prefill`: a real prefill (the model over random tokens) with each cache, batch 1.
 - `batch`: decode latency against batch size at one length (the paper's Fig. 7).
-- `rerank`: stability-aware against re-rank-everything cost (Fig. 8), read from the decode suite's
-  breakdown (scoring + selection per step, FlexiCache vs Quest), so it needs `decode` results.
+- `rerank`: stability-aware against rank-everything cost (Fig. 8), read from the decode suite's counters (rows
+  ranked and bytes ranking reads per step, FlexiCache vs Quest; whole-step times beside), so it needs `decode`
+  results.
 - `memory`: device KV bytes against context length with the analytic limit (Fig. 9), see
   `memory.py`.
-- `promotion`: promoted bytes per re-rank on the real SmolLM2 (Table 7), see `memory.py`.
+- `promotion`: pages promoted per decode step on the real SmolLM2 (Table 7), see `memory.py`.
 - `ops`: kernel-launching aten ops (and Triton launches) and host syncs per decode step and per layer, for
-  dense, Quest and FlexiCache on the torch and Triton backends, SmolLM2 and Llama-8B attention shapes; a
-  Markdown table in `<out>/ops.md`, see `ops.py`. Counts, not timings: it runs on a loaded machine too.
+  dense, Quest and FlexiCache, SmolLM2 and Llama-8B attention shapes (Triton rows only where a Triton kernel
+  launches); a Markdown table in `<out>/ops.md`, see `ops.py`. Counts, not timings: it runs on a loaded machine too.
 - `paired`: FlexiCache's decode step against the floor's (dense over `budget` tokens), timed alternately in one
   worker so load drift hits both; the ratio without the noise of timing cases one after another, see `paired.py`.
   With `--paired-variant FIELDS`, against FlexiCache with those fields on top instead (an option's step cost).
@@ -31,7 +32,7 @@ Suites (run any subset; `all` runs every one):
   transformers' offloaded cache (analytic), FlexiCache and FlexiCache with chunked prefill (counted) can prefill and
   decode 64 tokens with; device bytes over the chunks and steps; bytes moved per step, see `capacity.py`.
 - `chunked-prefill`: a real prefill's time, DynamicCache and FlexiCache, whole and chunked, alternating in one worker
-  (what reading stable pages back per chunk costs).
+  (what chunking costs FlexiCache beside dense).
 - `speculative`: decode tokens/s of prompt-lookup decoding against plain decoding, dense and FlexiCache, on L-Eval
   answers by a bundled model (SmolLM2, 8k), the cases alternating per prompt; `speculative-check`: that prompt lookup
   and assisted decoding give plain greedy decoding's tokens (SmolLM2 and Qwen2.5-0.5B, 20 prompts), see
@@ -107,7 +108,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--paired-variant", default="",
                    help='paired suite: FlexiCacheConfig fields, e.g. "carry_pages=0"; the suite then times '
                         'FlexiCache against FlexiCache with these fields on top (same context) instead of the floor')
-    p.add_argument("--steps", type=int, default=16, help="timed decode steps per case (a multiple of the re-rank interval)")
+    p.add_argument("--steps", type=int, default=16, help="timed decode steps per case (after the first, untimed)")
     p.add_argument("--llama-layers", type=int, default=2, help="decoder layers of the Llama-8B-shaped model")
     p.add_argument("--unstable-fraction", type=float, default=0.25, help="share of unstable heads of the synthetic profile")
     p.add_argument("--prefill-lengths", default="4k,8k", help="prefill suite lengths (SmolLM2 shape, batch 1)")
@@ -118,10 +119,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--promotion-new", type=int, default=512, help="promotion suite: generated tokens")
     p.add_argument("--promotion-budgets", default="1024,2048", help="promotion suite budgets")
     p.add_argument("--ops-shapes", default="smollm2,llama8b", help="ops suite: attention shapes (smollm2, llama8b, tiny)")
-    p.add_argument("--ops-backends", default="torch,triton", help="ops suite: kernel backends (torch, triton)")
+    p.add_argument("--ops-backends", default="torch,triton",
+                   help="ops suite: kernel backends (torch, triton; triton rows are written only where a Triton kernel "
+                        "launched)")
     p.add_argument("--ops-budget", type=int, default=1024, help="ops suite: token budget")
     p.add_argument("--ops-prompt", type=int, default=4100, help="ops suite: context tokens before the first decode step")
-    p.add_argument("--ops-steps", type=int, default=32, help="ops suite: decode steps counted (step 1 apart)")
+    p.add_argument("--ops-steps", type=int, default=32,
+                   help="ops suite: decode steps counted (step 1 apart, then the mean of the others)")
     p.add_argument("--ops-triton-prompt", type=int, default=1032,
                    help="ops suite, Triton rows: context tokens (the interpreter is slow; same structure as the torch rows)")
     p.add_argument("--ops-triton-budget", type=int, default=256, help="ops suite, Triton rows: token budget")
@@ -133,8 +137,6 @@ def _parser() -> argparse.ArgumentParser:
                    help='ops suite: FlexiCacheConfig fields for quest and flexicache, e.g. "refine_pages=0,sink_pages=0"')
     p.add_argument("--ops-baseline", default=None,
                    help="ops suite: an earlier run's ops.json; writes <out>/ops_compare.md with both side by side")
-    p.add_argument("--residency-check", action="store_true",
-                   help="ops suite: keep FlexiCache's residency check on (a host sync per head group; off on CUDA)")
     p.add_argument("--capacity-shapes", default="smollm2",
                    help="capacity/chunked-prefill suites: model shapes (smollm2 = SmolLM2-135M with positions extended, "
                         "random weights; qwen2.5-0.5b = the bundled Qwen's config and shipped profile)")

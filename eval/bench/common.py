@@ -3,7 +3,7 @@
 Every benchmark builds its models from a config (random weights, seeded), so it needs no download
 and runs at any length. Decode speed does not depend on the weights' values, so a random-weight
 model of a real model's shape times the same as the real one. Caches for a method name come from
-the harness's `methods.make_cache` (the one place that builds them).
+the harness's `methods` (`make_cache`; `bench_cache` gives a FlexiCache the capacity of the tokens a case holds).
 """
 
 from __future__ import annotations
@@ -145,6 +145,23 @@ def ingest_random_kv(cache, config, batch: int, length: int, dtype=torch.float32
         v = torch.randn(batch, kv_heads, length, head_dim, generator=gen, device=device, dtype=torch.float32).to(dtype)
         cache.update(k, v, layer)
         del k, v
+
+
+def bench_cache(method: str, config, budget: int, profile=None, base=None, tokens: int | None = None):
+    """A fresh cache of `method` to fill by hand (`methods.make_cache`, a `DynamicCache` for dense), a FlexiCache
+    allocated for `tokens` per sequence (`max_cache_len`), as generate sizes it from the prompt and the new tokens.
+
+    A FlexiCache's tensors are sized by its capacity, not by the tokens it holds (`memory_report` counts the
+    allocation, and a ranking scores every page of it), so a cache filled outside generate with the default capacity
+    (the prompt plus `fc_hf.cache.DEFAULT_DECODE_ROOM`) would report and score room it never uses."""
+    from fc_hf.cache import FlexiCache
+
+    from ..methods import make_cache, method_config, method_profile
+
+    if method in ("dense", "offload"):
+        return make_cache(method, config, budget, profile, base=base, dense_cache=True)
+    return FlexiCache(config, method_config(method, budget, config, base), method_profile(method, config, profile),
+                      max_cache_len=tokens)
 
 
 def base_config(options: dict | None, budget: int | None = None):

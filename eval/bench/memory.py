@@ -1,16 +1,25 @@
-"""Memory micro-benchmarks: device KV bytes against context length (the paper's Fig. 9) and promoted
-bytes per re-rank (Table 7). Neither depends on timing, so both give the same answer on a busy machine.
+"""Memory micro-benchmarks: device KV bytes against context length (the paper's Fig. 9) and the pages promoted per
+decode step (Table 7). Neither depends on timing, so both give the same answer on a busy machine.
 
-Device saving. A FlexiCache keeps on the device every page of the unstable heads (share `u`) and, for
-each stable head, its top-K pages plus the pages created since its last re-rank. Relative to a dense
-cache of `L` tokens its device KV is therefore at most
+Device saving. A FlexiCache keeps on the device every page of the unstable heads (share `u`) and, for each stable
+row (a (sequence, KV head) pair), a window of `W = K + ceil(R / P) + 1` pages (`fc_hf/store.py`): the K pages of its
+last ranking (the page then being filled among them) and the pages it opens before its next ranking, at most R steps
+later. Relative to a dense cache of `L` tokens its device KV is therefore
 
-    u + (1 - u) * (B + n * P) / L        (B = token budget, P = page size, n = ceil(R / P) + 1 new pages)
+    u + (1 - u) * (B + n * P) / L        (B = K * P the token budget, P = page size, n = ceil(R / P) + 1 new pages)
 
-plus the MinMax metadata, `2 * S * D` values per page (kmax and kmin of each of its `S =
-FlexiCacheConfig.subpages` sub-pages) against `2 * P * D` for its K and V, i.e. `S / P` of dense.
-`memory_report()` counts the bytes actually allocated (pool capacity included), and this
-suite prints both side by side.
+(capped at 1), plus the MinMax metadata, `2 * S * D` values per page (kmax and kmin of each of its `S =
+FlexiCacheConfig.subpages` sub-pages) against `2 * P * D` for its K and V, i.e. `S / P` of dense. `memory_report()`
+counts the bytes allocated, and this suite prints both side by side. The cache is allocated for the tokens it holds
+(`max_cache_len`: the context and the decode steps), as generate sizes it; beyond the formula the allocation holds
+one spare window per layer with stable heads (where the padded places of a step's ranking write,
+`spare_window_fraction`) and the capacity rounded up to whole pages.
+
+Promotion. A stable row's window takes its new pages from the host tier when it ranks: at the first decode step after
+the prompt every stable row ranks and fills its whole window, then every step ranks the stable rows whose phase is due
+(`fc_hf/schedule.py`: each row every R steps, a slice of them at every step). `promotion_run` reads `stats()` after every
+step: the pages promoted and the stable rows ranked that step, so the promoted share of a step is its promoted pages
+over its ranked rows' K pages.
 """
 
 from __future__ import annotations
@@ -23,11 +32,11 @@ import torch
 
 from fc_hf.compat import cache_kwarg
 from fc_hf.config import FlexiCacheConfig
-from fc_hf.transfer import PageTransfers
+from fc_hf.store import window_pages
 
 from ..methods import make_cache
-from .common import (bench_profile, build_model, decode_step, environment, ingest_random_kv, log, model_config,
-                     parse_sizes, release_memory, unstable_share, write_json)
+from .common import (bench_cache, bench_profile, build_model, decode_step, environment, ingest_random_kv, log,
+                     model_config, parse_sizes, release_memory, unstable_share, write_json)
 
 __all__ = ["analytic_device_fraction", "memory_case", "suite_memory", "promotion_run", "suite_promotion"]
 
@@ -46,13 +55,14 @@ def memory_case(config, profile, budget: int, length: int, batch: int = 1, page_
                 rerank: int = DEFAULTS.rerank_interval) -> dict:
     """Fill a FlexiCache with `length` random tokens, decode `rerank + 1` steps, and read `memory_report()`.
 
-    The decode passes the first ranking (step 1, prompt pages dropped) and one stable re-rank
-    (step `rerank`), so the numbers are those of steady-state decoding.
+    The decode passes the first ranking (step 1: every stable row fills its window) and each stable row's next
+    ranking at its phase, so the numbers are those of steady-state decoding.
     """
     model = build_model(config)
     model.set_attn_implementation("flexicache")
     base = FlexiCacheConfig(page_size=page_size, rerank_interval=rerank)
-    cache = make_cache("flexicache", config, budget, profile, base=base)
+    held = length + rerank + 1
+    cache = bench_cache("flexicache", config, budget, profile, base=base, tokens=held)
     kwarg = cache_kwarg(model)
     with torch.no_grad():
         ingest_random_kv(cache, config, batch, length)
@@ -63,16 +73,21 @@ def memory_case(config, profile, budget: int, length: int, batch: int = 1, page_
     rep = cache.memory_report()
     dense = rep["dense_kv_bytes"]
     u = unstable_share(profile, config)
-    analytic = analytic_device_fraction(u, budget, length + rerank + 1, page_size, rerank)
+    analytic = analytic_device_fraction(u, budget, held, page_size, rerank)
     meta_analytic = cache.cache_config.subpages / page_size  # S MinMax entries (2D values each) per page
+    # Each layer with stable rows holds one window more than it has stable rows (`PageStore.win_k`'s extra row).
+    layers, kv_heads = len(cache.flexi_layers), config.num_key_value_heads
+    spare = sum(1 for layer in cache.flexi_layers if layer.kinds.stable)
+    window = window_pages(cache.cache_config, cache.capacity // page_size) * page_size
+    spare_fraction = spare * window / (layers * kv_heads * batch * held)
     device_frac = rep["device_kv_bytes"] / dense
     meta_frac = rep["metadata_bytes"] / dense
     result = {
         "length": length, "budget": budget, "batch": batch, "unstable_share": u, "page_size": page_size,
-        "rerank_interval": rerank, "subpages": cache.cache_config.subpages,
+        "rerank_interval": rerank, "subpages": cache.cache_config.subpages, "capacity": cache.capacity,
         "dense_kv_bytes": dense, "device_kv_bytes": rep["device_kv_bytes"], "host_kv_bytes": rep["host_kv_bytes"],
         "metadata_bytes": rep["metadata_bytes"], "device_kv_bytes_after_prefill": after_prefill["device_kv_bytes"],
-        "device_fraction": device_frac, "analytic_device_fraction": analytic,
+        "device_fraction": device_frac, "analytic_device_fraction": analytic, "spare_window_fraction": spare_fraction,
         "metadata_fraction": meta_frac, "analytic_metadata_fraction": meta_analytic,
         "saving": 1 - device_frac - meta_frac, "analytic_saving": 1 - analytic - meta_analytic,
         "saving_kv_only": 1 - device_frac, "analytic_saving_kv_only": 1 - analytic,
@@ -98,7 +113,8 @@ def suite_memory(args, out: Path) -> list[dict]:
             r.update(model=name, profile=label)
             rows.append(r)
             log(f"  memory B={budget} L={length}: device {r['device_fraction']:.4f} of dense (analytic "
-                f"{r['analytic_device_fraction']:.4f}), metadata {r['metadata_fraction']:.4f}, saving {r['saving']:.3f}")
+                f"{r['analytic_device_fraction']:.4f}, spare windows {r['spare_window_fraction']:.4f}), metadata "
+                f"{r['metadata_fraction']:.4f}, saving {r['saving']:.3f}")
             write_json(out / "memory.json", {"suite": "memory", "env": environment(), "results": rows})
     return rows
 
@@ -112,22 +128,44 @@ def _percentile(values, q):
     return values[lo] + (values[hi] - values[lo]) * (pos - lo)
 
 
+class _StepCounts:
+    """A logits processor that only looks: after the prefill and after every decode step it reads the cache's
+    `stats()` (pages promoted, stable rows ranked) and every layer's window pages (`store.win_pages`), so each step's
+    promotions are the differences between two calls."""
+
+    def __init__(self, cache):
+        self.cache = cache
+        self.stats: list[dict] = []
+        self.windows: list[list[torch.Tensor]] = []
+
+    def __call__(self, input_ids, scores):
+        stats = self.cache.stats()
+        self.stats.append({"pages_promoted": stats["pages_promoted"], "reranks_stable": stats["reranks_stable"]})
+        self.windows.append([layer.store.win_pages[: layer.store.rows.n_stable].clone()
+                             for layer in self.cache.flexi_layers])
+        return scores
+
+
+def _pages_entered(before: list[torch.Tensor], after: list[torch.Tensor], k: int) -> int:
+    """Pages that entered the stable rows' windows between two snapshots: a page a window's ranked positions
+    (`[0, K)`) hold after that it did not hold anywhere before. Counted apart from the cache's own counter."""
+    entered = 0
+    for old, new in zip(before, after):
+        for row_old, row_new in zip(old.tolist(), new.tolist()):
+            if row_new != row_old:
+                held = set(row_old)
+                entered += sum(1 for page in row_new[:k] if page >= 0 and page not in held)
+    return entered
+
+
 def promotion_run(model, tokenizer, profile, budget: int, prompt_tokens: int, new_tokens: int, text_offset: int = 0) -> dict:
-    """Generate `new_tokens` after a real `prompt_tokens`-token prompt; count what each re-rank promotes.
+    """Generate `new_tokens` after a real `prompt_tokens`-token prompt; count what each decode step promotes.
 
-    Besides `stats()`, every host -> device copy request is counted independently (a wrapper around
-    `PageTransfers.promote` that adds up the bytes of the pages it is asked to copy), so the check
-    "bytes moved == promoted pages x page bytes" compares two separate counts.
+    Per decode step, from `stats()` before and after it: the pages promoted and the stable rows ranked; the step's
+    promoted share is `pages / (rows x K)`. Step 1 is apart: every stable row ranks and fills its window from the host
+    tier. Independently of the cache's counter, the pages that entered the windows are counted from snapshots of
+    each layer's `store.win_pages` around every step (`pages_match_windows`).
     """
-    counted = {"bytes": 0, "calls": 0}
-    original = PageTransfers.promote
-
-    def counting(self, k_pool, v_pool, dst_slots, host_k, host_v, host_index):
-        counted["bytes"] += host_index.numel() * (host_k[0].numel() * host_k.element_size()
-                                                  + host_v[0].numel() * host_v.element_size())
-        counted["calls"] += 1
-        return original(self, k_pool, v_pool, dst_slots, host_k, host_v, host_index)
-
     if tokenizer is None:
         ids = torch.randint(1, model.config.vocab_size, (1, prompt_tokens), generator=torch.Generator().manual_seed(0))
     else:
@@ -135,46 +173,50 @@ def promotion_run(model, tokenizer, profile, budget: int, prompt_tokens: int, ne
 
         ids = torch.tensor([text_tokens(tokenizer, prompt_tokens, offset=text_offset)])
     cache = make_cache("flexicache", model, budget, profile)
-    PageTransfers.promote = counting
-    try:
-        with torch.no_grad():
-            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                                 min_new_tokens=new_tokens, do_sample=False, **{cache_kwarg(model): cache})
-    finally:
-        PageTransfers.promote = original
+    seen = _StepCounts(cache)
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                             min_new_tokens=new_tokens, do_sample=False, logits_processor=[seen],
+                             **{cache_kwarg(model): cache})
     stats = cache.stats()
-    fractions = stats["promoted_fraction_per_rerank"]
-    page_bytes = None
-    stable_rows = 0
-    for layer in cache.flexi_layers:
-        for group in layer.groups:
-            if group.kind == "stable" and group.store is not None:
-                page_bytes = group.store.page_bytes
-                stable_rows += group.store.rows
-    k = budget // cache.cache_config.page_size
-    events = len(fractions) // max(1, sum(1 for l in cache.flexi_layers for g in l.groups if g.kind == "stable"))
+    k = cache.cache_config.pages_per_head
+    stable_rows = sum(layer.store.rows.n_stable for layer in cache.flexi_layers)
+    page_bytes = next((layer.store.page_bytes for layer in cache.flexi_layers if layer.store.rows.n_stable), None)
+    # seen.stats[0] is read after the prefill, seen.stats[s] after decode step s.
+    steps = []
+    for step, (before, after) in enumerate(zip(seen.stats, seen.stats[1:]), start=1):
+        pages = after["pages_promoted"] - before["pages_promoted"]
+        rows = after["reranks_stable"] - before["reranks_stable"]
+        steps.append({"step": step, "pages_promoted": pages, "stable_rows_ranked": rows,
+                      "fraction": pages / (rows * k) if rows else None})
+    entered = sum(_pages_entered(a, b, k) for a, b in zip(seen.windows, seen.windows[1:]))
+    first, later = steps[0], steps[1:]
+    fractions = [s["fraction"] for s in later if s["fraction"] is not None]
+    later_pages = sum(s["pages_promoted"] for s in later)
     result = {
         "budget": budget, "prompt_tokens": int(ids.shape[1]), "new_tokens": int(out.shape[1] - ids.shape[1]),
-        "decode_steps": stats["decode_steps"], "reranks_stable": stats["reranks_stable"],
-        "rerank_events": events, "stable_heads": stable_rows,
-        "pages_promoted": stats["pages_promoted"], "bytes_promoted": stats["bytes_promoted"],
-        "bytes_copied_counted": counted["bytes"], "page_bytes": page_bytes,
+        "decode_steps": stats["decode_steps"], "reranks_stable": stats["reranks_stable"], "stable_rows": stable_rows,
+        "pages_per_ranking": k, "pages_promoted": stats["pages_promoted"], "bytes_promoted": stats["bytes_promoted"],
+        "page_bytes": page_bytes, "promoted_fraction": stats["promoted_fraction"],
         "bytes_match_pages": page_bytes is not None and stats["bytes_promoted"] == stats["pages_promoted"] * page_bytes,
-        "bytes_match_copies": stats["bytes_promoted"] == counted["bytes"],
-        "promoted_bytes_per_rerank": stats["bytes_promoted"] / events if events else None,
+        "pages_entered_windows": entered, "pages_match_windows": entered == stats["pages_promoted"],
+        "first_step_pages_promoted": first["pages_promoted"], "first_step_fraction": first["fraction"],
+        "promoted_pages_per_step": later_pages / len(later) if later else None,
+        "promoted_bytes_per_step": later_pages * page_bytes / len(later) if later and page_bytes else None,
         "stable_topk_bytes": stable_rows * k * page_bytes if page_bytes else None,
         "fraction_mean": statistics.fmean(fractions) if fractions else None,
         "fraction_median": statistics.median(fractions) if fractions else None,
         "fraction_p10": _percentile(fractions, 0.1), "fraction_p90": _percentile(fractions, 0.9),
         "fraction_min": min(fractions, default=None), "fraction_max": max(fractions, default=None),
-        "fractions": fractions,
+        "fractions": fractions, "steps": steps,
     }
     cache.release()
     return result
 
 
 def suite_promotion(args, out: Path) -> list[dict]:
-    """Table 7 on the real SmolLM2-135M-Instruct: promoted share of the stable top-K per re-rank."""
+    """Table 7 on the real SmolLM2-135M-Instruct: the promoted share of the K pages of the stable rows ranked, per
+    decode step."""
     from fc_hf import register
 
     register()
@@ -194,8 +236,9 @@ def suite_promotion(args, out: Path) -> list[dict]:
         r = promotion_run(model, tokenizer, profile, budget, prompt, new)
         r.update(model=name, profile=label)
         rows.append(r)
-        log(f"  promotion B={budget}: {r['rerank_events']} re-ranks, promoted {r['fraction_mean']:.3f} of the stable "
-            f"top-K on average (p10 {r['fraction_p10']:.3f}, p90 {r['fraction_p90']:.3f}); bytes match: "
-            f"{r['bytes_match_pages']} / {r['bytes_match_copies']}")
+        log(f"  promotion B={budget}: {r['decode_steps']} decode steps, {r['stable_rows']} stable rows; after step 1 "
+            f"promoted {r['fraction_mean']:.3f} of the ranked rows' K pages on average (p10 {r['fraction_p10']:.3f}, "
+            f"p90 {r['fraction_p90']:.3f}); counts match: bytes {r['bytes_match_pages']}, windows "
+            f"{r['pages_match_windows']}")
         write_json(out / "promotion.json", {"suite": "promotion", "env": environment(), "results": rows})
     return rows

@@ -22,33 +22,37 @@ device - `_local_scalar_dense` (`.item()`, `int(t)`, `float(t)`, `bool(t)`, `if 
 with a bool or uint8 index (a mask: its nonzero is taken on the device), and copies from a CUDA tensor
 to the CPU (`_to_copy`, `copy_`); plus `Tensor.tolist()` calls (patched for the count; `.tolist()` of a
 CPU tensor issues no aten op). On a CPU run a device -> host copy cannot be told apart from any other
-copy (both tensors are CPU tensors), so it is not counted there, except the deliberate ones of
-`fc_hf.transfer.to_host` (the tier move's plan and the host-only candidates' look-up: one copy each,
-counted as "device->host copy" whatever the device). The index work FlexiCache does on those host
-copies (`with fc_hf.transfer.host_work:`) runs on the CPU on CUDA too: its ops are counted apart, as
-"host-side ops" per step, neither as kernel launches nor as syncs.
+copy (both tensors are CPU tensors), so it is not counted there (tests/test_no_host_sync.py catches `.cpu()`).
 
-Methods: dense (`DynamicCache` + sdpa), quest (FlexiCache, `profile=None`: every head re-ranked every
-step, one tier) and flexicache (the shipped profile for SmolLM2's shape, else `common.spread_profile` with
+Methods: dense (`DynamicCache` + sdpa), quest (FlexiCache, `profile=None`: every head ranked every step, one
+tier) and flexicache (the shipped profile for SmolLM2's shape, else `common.spread_profile` with
 `--unstable-fraction`), batch 1, fp32, budget 1024, pages of 16, R = 8. The models are random-weight
 Llamas with the attention shape of SmolLM2-135M (30 layers, 9 query / 3 KV heads, head_dim 64: all its
 layers, so the shipped profile fits) or Llama-3.1-8B (32 / 8 heads, head_dim 128, 2 layers), with a tiny
 hidden size, MLP and vocabulary: op counts do not depend on those sizes. The prompt's K/V is written
-straight into the cache (`common.ingest_random_kv`), 4096 + 4 tokens, so the page being filled fills at
-step 12 + 16 k and a new page opens the step after, never on a re-rank step (8 k).
+straight into the cache (`common.ingest_random_kv`), 4100 tokens (more pages than the budget), into a cache
+allocated for the prompt and the steps counted (`common.bench_cache`).
 
-Steps 2 .. `--ops-steps` are counted (step 1, the first ranking that drops the prompt's pages, apart)
-and classified: `rerank` (step % R == 0: FlexiCache's stable heads re-rank; promotions), `page` (a page
-fills or a new one opens), `plain` (neither: the steady state, 12 of every 16 steps here, besides 2 re-ranks and
-2 page steps); `period` is the mean over whole periods of both schedules (steps 2 .. lcm(R, P) + 1). Per layer-step
-= the ops inside the decoder layers divided by their number; "cache + attention" is the part inside
-`cache.update` and the attention function (projections, norms, RoPE and MLP excluded); the ops outside
-the decoder layers (embedding, masks, final norm, LM head, argmax) are reported per step.
-The FlexiCache residency check (a host sync per head group) runs with CUDA's default (off), unless
-`--residency-check`. The Triton rows run the kernels under the Triton interpreter in a subprocess
-(`TRITON_INTERPRET=1`). The interpreter splits a row's pages only up to 4 programs in all, so with 4 or
-more rows the decode kernel runs unsplit and launches no combine kernel; a GPU splits them to fill its SMs
-and then adds one combine launch per sparse attention call (per head group and layer) to these counts.
+Steps 1 .. `--ops-steps` are counted. A FlexiCache decode step is one fixed sequence of tensor ops
+(`fc_hf/decode.py`): every step ranks the layer's unstable rows and a fixed slice of its stable rows,
+`ceil(n_stable / R)` places (the rows whose phase is due, padded; `fc_hf/schedule.py`), so steps 2 .. N are
+alike, whatever page fills or opens. Step 1 after the prompt is apart (`first`): it ranks every stable row.
+The summary (`steady`) is the mean of steps 2 .. N with their min and max (a spread between them would be a
+step that is not static). Per layer-step = the ops inside the decoder layers divided by their number;
+"cache + attention" is the part inside `cache.update` and the attention function (projections, norms, RoPE
+and MLP excluded); the ops outside the decoder layers (embedding, masks, final norm, LM head, argmax) are
+reported per step; `top_ops_per_layer` breaks the layer ops down by aten op.
+
+Triton: `--ops-backends triton` runs the FlexiCache methods with `FlexiCacheConfig(backend="triton")` in a
+worker under the Triton interpreter on a CPU (`TRITON_INTERPRET=1`) and counts each Triton launch as one op.
+Its rows are kept only when a Triton kernel launched: today none does (the Triton kernels of the former page
+layout were removed and `fc_hf.kernels.dispatch` sends every call to the PyTorch backend), so the worker says
+so and writes no row rather than torch's counts under the name "triton".
+
+`--ops-baseline OLD/ops.json` puts an earlier run beside this one (`<out>/ops_compare.md`): both are summarized
+by these rules from their per-step counts, so an older run's `steady` is the mean of its steps 2 .. N as they
+came (before the static step a layer's stable heads re-ranked together on steps divisible by R, and page steps
+differed: those steps enter that mean at their share of steps 2 .. N).
 
     flexicache bench ops --out results/bench             # table in results/bench/ops.md, data in ops.json
     flexicache bench ops --smoke --out /tmp/b            # tiny model and context, seconds
@@ -59,7 +63,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import os
 import sys
 from collections import Counter
@@ -69,11 +72,10 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fc_hf.compat import cache_kwarg
-from fc_hf.transfer import HostWork
 
-from ..methods import make_cache, parse_cache_options, prepare_model
-from .common import (bench_profile, build_model, decode_step, environment, ingest_random_kv, log, model_config,
-                     run_worker, write_json)
+from ..methods import parse_cache_options, prepare_model
+from .common import (bench_cache, bench_profile, build_model, decode_step, environment, ingest_random_kv, log,
+                     model_config, run_worker, write_json)
 
 __all__ = ["OpCounter", "count_case", "worker", "suite_ops", "markdown_table", "comparison_table", "is_counted",
            "sync_kind"]
@@ -151,7 +153,6 @@ class OpCounter(TorchDispatchMode):
         self.ops: Counter = Counter()  # region -> ops
         self.by_op: Counter = Counter()  # op name -> count, inside decoder layers only
         self.syncs: Counter = Counter()  # sync kind -> count (whole step)
-        self.host_ops = 0  # ops on host tensors inside `fc_hf.transfer.host_work` (whole step; not in `ops`)
         self.triton: Counter = Counter()  # Triton kernel name -> launches, by region part
         self.triton_regions: Counter = Counter()
 
@@ -160,10 +161,7 @@ class OpCounter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if HostWork.active:  # index work on host tensors: CPU ops on CUDA too, no kernel and no sync
-            if not self.paused and is_counted(func):
-                self.host_ops += 1
-        elif not self.paused and is_counted(func):
+        if not self.paused and is_counted(func):
             region = self.region()
             self.ops[region] += 1
             if self.layer is not None:
@@ -172,11 +170,6 @@ class OpCounter(TorchDispatchMode):
             if kind is not None:
                 self.syncs[kind] += 1
         return func(*args, **kwargs)
-
-    def count_host_copy(self):
-        """`fc_hf.transfer.to_host` on a CPU run, where its device -> host copy (one sync on CUDA) issues no op."""
-        if not self.paused:
-            self.syncs["device->host copy"] += 1
 
     def count_tolist(self):
         if not self.paused:
@@ -242,13 +235,11 @@ def _instrumented(model, cache, counter: OpCounter):
         return original_tolist(self, *a, **k)
 
     torch.Tensor.tolist = tolist
-    HostWork.observer = counter.count_host_copy
     restore_triton = _count_triton_launches(counter)
     try:
         yield
     finally:
         restore_triton()
-        HostWork.observer = None
         torch.Tensor.tolist = original_tolist
         ALL_ATTENTION_FUNCTIONS.register(impl, original_attn)
         del cache.update
@@ -294,17 +285,6 @@ def _count_triton_launches(counter: OpCounter):
     return restore
 
 
-def _step_kind(step: int, prompt: int, page_size: int, rerank: int) -> str:
-    if step == 1:
-        return "first"
-    if step % rerank == 0:
-        return "rerank"
-    length = prompt + step  # tokens after this step's append
-    if length % page_size == 0 or (length - 1) % page_size == 0:
-        return "page"  # the page being filled fills, or this token opens a new page
-    return "plain"
-
-
 def padding_mask(batch: int, length: int, padding: int) -> torch.Tensor | None:
     """`[batch, length]` mask of a left-padded batch: row b starts with `round(b * padding / (batch - 1))` padding
     tokens (row 0 none, the last row `padding`); None without padding."""
@@ -317,7 +297,7 @@ def padding_mask(batch: int, length: int, padding: int) -> torch.Tensor | None:
 
 
 def count_case(model, config, method: str, budget: int, prompt: int, steps: int, profile, backend: str = "torch",
-               residency_check: bool = False, options: dict | None = None, batch: int = 1, padding: int = 0) -> dict:
+               options: dict | None = None, batch: int = 1, padding: int = 0) -> dict:
     """Count ops and syncs of decode steps 1..`steps` of `method` after a `prompt`-token random-K/V prefill.
 
     `options`: `FlexiCacheConfig` fields for the FlexiCache methods (the defaults otherwise). `batch` sequences;
@@ -330,9 +310,7 @@ def count_case(model, config, method: str, budget: int, prompt: int, steps: int,
     layers = len(model.model.layers)
     per_step = []
     with torch.no_grad():
-        cache = make_cache(method, config, budget, profile, base=base, dense_cache=True)
-        if method != "dense":
-            cache.check_residency = residency_check
+        cache = bench_cache(method, config, budget, profile, base=base, tokens=prompt + steps)
         ingest_random_kv(cache, config, batch, prompt)
         mask = padding_mask(batch, prompt + steps, padding)
         token = torch.randint(1, config.vocab_size, (batch, 1), generator=torch.Generator().manual_seed(0))
@@ -350,31 +328,31 @@ def count_case(model, config, method: str, budget: int, prompt: int, steps: int,
                 tri_layer = sum(n for r, n in counter.triton_regions.items() if r[0] == "layer")
                 per_step.append({
                     "step": step,
-                    "kind": _step_kind(step, prompt, base.page_size, base.rerank_interval),
                     "layer_ops": layer_ops, "cache_ops": part["cache"], "attn_ops": part["attn"],
                     "outside_ops": counter.ops[("outside",)],
                     "triton_launches": sum(counter.triton.values()), "triton_layer_launches": tri_layer,
                     "triton": dict(counter.triton),
-                    "syncs": dict(counter.syncs), "by_op": dict(counter.by_op), "host_ops": counter.host_ops,
+                    "syncs": dict(counter.syncs), "by_op": dict(counter.by_op),
                 })
         del cache
     return {"method": method, "budget": budget if method != "dense" else None, "backend": backend if method != "dense"
-            else "torch", "layers": layers, "prompt": prompt, "batch": batch, "padding": padding, "steps": per_step,
-            "period": math.lcm(base.rerank_interval, base.page_size)}
+            else "torch", "layers": layers, "prompt": prompt, "batch": batch, "padding": padding, "steps": per_step}
+
+
+SUMMARY_KINDS = ("first", "steady")  # step 1 after the prompt (every stable row ranks), then steps 2 .. N
 
 
 def summarize(case: dict) -> dict:
-    """Per step kind: mean ops per layer-step (aten + Triton), cache+attention part, syncs per step."""
+    """`first` (step 1) and `steady` (steps 2 .. N, see the module docstring): mean ops per layer-step (aten + Triton)
+    with their min and max, the cache + attention part, ops outside the layers, syncs per step and the ops by name.
+
+    Only the step numbers and counts are read, so a run of an earlier version (whose steps had other kinds) is
+    summarized by the same rules."""
     layers = case["layers"]
     out = {}
-    groups = {}
-    for s in case["steps"]:
-        groups.setdefault(s["kind"], []).append(s)
-    # Whole periods of both schedules, steps 2 .. lcm(R, P) + 1 (every kind in its share): when all were run.
-    period = case.get("period", 16)
-    if any(s["kind"] == "rerank" for s in case["steps"]) and len(case["steps"]) > period:
-        groups["period"] = [s for s in case["steps"] if 2 <= s["step"] <= period + 1]
-    for kind, steps in groups.items():
+    steps_of = {"first": [s for s in case["steps"] if s["step"] == 1],
+                "steady": [s for s in case["steps"] if s["step"] >= 2]}
+    for kind, steps in steps_of.items():
         n = len(steps)
         if not n:
             continue
@@ -383,19 +361,19 @@ def summarize(case: dict) -> dict:
         for s in steps:
             syncs.update(s["syncs"])
             by_op.update(s["by_op"])
+        per_layer = [(s["layer_ops"] + s["triton_layer_launches"]) / layers for s in steps]
         out[kind] = {
             "steps": n,
-            "ops_per_layer": sum(s["layer_ops"] + s["triton_layer_launches"] for s in steps) / n / layers,
+            "ops_per_layer": sum(per_layer) / n,
+            "min_ops_per_layer": min(per_layer),
+            "max_ops_per_layer": max(per_layer),
             "aten_per_layer": sum(s["layer_ops"] for s in steps) / n / layers,
             "triton_per_layer": sum(s["triton_layer_launches"] for s in steps) / n / layers,
             "cache_attn_per_layer": sum(s["cache_ops"] + s["attn_ops"] + s["triton_layer_launches"] for s in steps) / n / layers,
             "outside_per_step": sum(s["outside_ops"] for s in steps) / n,
             "syncs_per_step": sum(syncs.values()) / n,
-            "host_ops_per_step": sum(s.get("host_ops", 0) for s in steps) / n,
             "sync_kinds": {k: v / n for k, v in sorted(syncs.items())},
             "top_ops_per_layer": {k: round(v / n / layers, 2) for k, v in by_op.most_common(25)},
-            "min_ops_per_layer": min(s["layer_ops"] + s["triton_layer_launches"] for s in steps) / layers,
-            "max_ops_per_layer": max(s["layer_ops"] + s["triton_layer_launches"] for s in steps) / layers,
         }
     return out
 
@@ -412,8 +390,12 @@ def worker(spec: dict) -> int:
             continue
         batch, padding = spec.get("batch", 1), spec.get("padding", 0)
         case = count_case(model, config, method, spec["budget"], spec["prompt"], spec["steps"],
-                          profile if method == "flexicache" else None, spec["backend"], spec["residency_check"],
+                          profile if method == "flexicache" else None, spec["backend"],
                           spec.get("options"), batch, padding)
+        if spec["backend"] == "triton" and not any(s["triton_launches"] for s in case["steps"]):
+            log(f"bench ops: {spec['shape']} {method}: no Triton kernel launched with backend='triton' "
+                "(fc_hf.kernels.dispatch ran every primitive on the PyTorch backend); no triton row written")
+            continue
         shape = spec["shape"] + (f" b{batch} padded" if padding_mask(batch, 2, padding) is not None else "")
         case.update(shape=shape, profile=label if method == "flexicache" else None,
                     summary=summarize(case), env=environment())
@@ -435,11 +417,18 @@ def _fmt(x, digits=1) -> str:
     return "–" if x is None else f"{x:.{digits}f}"
 
 
-def markdown_table(results: list[dict], kinds=("plain", "rerank", "period")) -> str:
-    """One row per shape × method × backend × step kind: ops per layer-step, ratios to dense, syncs per step."""
+def _step_label(case: dict, kind: str) -> str:
+    """"1 (first)" or "2-N mean" for a summary kind of `case`."""
+    last = max(s["step"] for s in case["steps"])
+    return "1 (first)" if kind == "first" else f"2-{last} mean"
+
+
+def markdown_table(results: list[dict], kinds=SUMMARY_KINDS) -> str:
+    """One row per shape × method × backend × summary kind: ops per layer-step (min-max over the steps), ratios to
+    dense, syncs per step."""
     dense = {(r["shape"]): r["summary"] for r in results if r["method"] == "dense"}
-    head = ["shape", "method", "backend", "step", "ops / layer-step", "× dense", "cache + attention ops / layer-step",
-            "× dense", "of which Triton launches", "syncs / step"]
+    head = ["shape", "method", "backend", "step", "ops / layer-step", "min-max", "× dense",
+            "cache + attention ops / layer-step", "× dense", "of which Triton launches", "syncs / step"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     order = {"dense": 0, "quest": 1, "flexicache": 2}
     for r in sorted(results, key=lambda r: (r["shape"] != "smollm2", r["shape"], order.get(r["method"], 9),
@@ -452,23 +441,22 @@ def markdown_table(results: list[dict], kinds=("plain", "rerank", "period")) -> 
             ratio = s["ops_per_layer"] / d["ops_per_layer"] if d else None
             ratio_ca = s["cache_attn_per_layer"] / d["cache_attn_per_layer"] if d and d["cache_attn_per_layer"] else None
             backend = r["backend"] + (" (interpreter)" if r["backend"] == "triton" and r["env"].get("gpu") is None else "")
+            spread = f"{_fmt(s['min_ops_per_layer'])}-{_fmt(s['max_ops_per_layer'])}" if kind != "first" else "–"
             syncs = _fmt(s["syncs_per_step"], 1)
             if s["sync_kinds"]:
                 syncs += " (" + ", ".join(f"{k} {v:g}" for k, v in s["sync_kinds"].items()) + ")"
-            if s.get("host_ops_per_step"):
-                syncs += f"; host-side ops {s['host_ops_per_step']:g}"
             lines.append("| " + " | ".join([
-                r["shape"], r["method"], backend if r["method"] != "dense" else "torch (sdpa)", kind,
-                _fmt(s["ops_per_layer"]), _fmt(ratio, 2) + "×" if ratio else "–", _fmt(s["cache_attn_per_layer"]),
+                r["shape"], r["method"], backend if r["method"] != "dense" else "torch (sdpa)", _step_label(r, kind),
+                _fmt(s["ops_per_layer"]), spread, _fmt(ratio, 2) + "×" if ratio else "–", _fmt(s["cache_attn_per_layer"]),
                 _fmt(ratio_ca, 2) + "×" if ratio_ca else "–",
                 _fmt(s["triton_per_layer"]) if r["backend"] == "triton" else "–", syncs,
             ]) + " |")
     return "\n".join(lines)
 
 
-def comparison_table(before: list[dict], after: list[dict], kinds=("plain", "rerank", "period")) -> str:
+def comparison_table(before: list[dict], after: list[dict], kinds=SUMMARY_KINDS) -> str:
     """Before/after side by side (e.g. two commits): ops per layer-step with their ratio to dense, the
-    cache + attention part, and syncs per step, for every shape × method × backend × step kind in `after`."""
+    cache + attention part, and syncs per step, for every shape × method × backend × summary kind in `after`."""
 
     def index(results):  # summaries recomputed from the per-step counts: both sides by this version's rules
         return {(r["shape"], r["method"], r["backend"]): summarize(r) for r in results}
@@ -510,7 +498,7 @@ def suite_ops(args, out: Path) -> list[dict]:
                     "budget": args.ops_triton_budget if tri else args.ops_budget,
                     "prompt": args.ops_triton_prompt if tri else args.ops_prompt,
                     "steps": args.ops_triton_steps if tri else args.ops_steps,
-                    "unstable_fraction": args.unstable_fraction, "residency_check": args.residency_check,
+                    "unstable_fraction": args.unstable_fraction,
                     "options": options}
             log(f"bench ops: {shape} {backend} ({', '.join(methods)})")
             results.extend(_run_worker(spec, args.timeout))
@@ -521,11 +509,14 @@ def suite_ops(args, out: Path) -> list[dict]:
     table = markdown_table(results)
     env = environment()
     header = (f"Decode-step ops (`flexicache bench ops`), batch 1, fp32, budget {args.ops_budget}, context "
-              f"{args.ops_prompt} tokens, {args.ops_steps} steps after the first; torch {env['torch']}, transformers "
+              f"{args.ops_prompt} tokens, decode steps 1-{args.ops_steps} (step 1 apart: it ranks every stable row; "
+              f"then the mean of the others, with their min-max); torch {env['torch']}, transformers "
               f"{env['transformers']}" + (f"; FlexiCacheConfig options {options}" if options else "") + ".")
-    if "triton" in backends:
+    if any(r["backend"] == "triton" for r in results):
         header += (f" Triton rows (interpreted: slow) at budget {args.ops_triton_budget}, context {args.ops_triton_prompt}, "
-                   f"{args.ops_triton_steps} steps: the same structure (more pages than the budget, one re-rank).")
+                   f"steps 1-{args.ops_triton_steps}: the same structure (more pages than the budget).")
+    elif "triton" in backends:
+        header += " No Triton row: no Triton kernel launched with backend='triton' (the PyTorch backend ran throughout)."
     if args.ops_padded_batch > 1:
         header += (f" Rows \"b{args.ops_padded_batch} padded\": a batch of {args.ops_padded_batch} left-padded by 0 to "
                    f"{args.ops_padding} tokens (evenly spread), decoded with its mask; ops per layer-step of the whole batch.")

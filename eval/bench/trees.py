@@ -20,7 +20,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-# Runs inside each tree (cwd = the tree), so only names both trees have are used.
+# Runs inside each tree (cwd = the tree), so only names both trees have are used (`bench_cache` where it exists).
 WORKER = r"""
 import importlib.machinery, json, os, sys, time
 
@@ -47,8 +47,14 @@ model = build_model(config)
 profile, _ = bench_profile(config, 0.25, prefer_shipped=spec["model"] == "smollm2")
 kwarg = cache_kwarg(model)
 with torch.no_grad():
-    cache = make_cache("flexicache", config, spec["budget"], profile, base=base_config(None, spec["budget"]),
-                       dense_cache=True)
+    try:  # a tree whose FlexiCache is allocated for a capacity: room for the steps timed, as generate would size it
+        from eval.bench.common import bench_cache
+    except ImportError:
+        cache = make_cache("flexicache", config, spec["budget"], profile, base=base_config(None, spec["budget"]),
+                           dense_cache=True)
+    else:
+        cache = bench_cache("flexicache", config, spec["budget"], profile, base=base_config(None, spec["budget"]),
+                            tokens=spec["length"] + spec["steps"] + 1)
     ingest_random_kv(cache, config, spec["batch"], spec["length"])
     prepare_model(model, "flexicache")
     token = torch.randint(1, config.vocab_size, (spec["batch"], 1), generator=torch.Generator().manual_seed(0))

@@ -36,19 +36,23 @@ def quiet():
 
 
 class StepClock(StoppingCriteria):
-    """Records when each new token is ready (the first one right after the prefill); never stops anything."""
+    """Records when new tokens are ready and how many there are (the first call comes right after the prefill; a
+    verification forward of assisted decoding brings several tokens at once); never stops anything."""
 
     def __init__(self):
         self.times: list[float] = []
+        self.lengths: list[int] = []
 
     def __call__(self, input_ids, scores, **kwargs):
         self.times.append(time.perf_counter())
+        self.lengths.append(input_ids.shape[1])
         return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
     def decode_tokens_per_s(self) -> float:
+        """Tokens after the first call over the seconds after it."""
         if len(self.times) < 2:
             return float("nan")
-        return (len(self.times) - 1) / (self.times[-1] - self.times[0])
+        return (self.lengths[-1] - self.lengths[0]) / (self.times[-1] - self.times[0])
 
 
 def first_difference(a: torch.Tensor, b: torch.Tensor) -> int:
