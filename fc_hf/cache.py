@@ -118,6 +118,7 @@ class FlexiCache(Cache):
         self.traced = False
         self._biases: dict[torch.device, StepBias] = {}  # each device's decode-step masks (`fc_hf/step_bias.py`)
         self._contexts: dict[torch.device, DecodeContext] = {}  # this forward's decode step, per device
+        self._block_biases: dict[torch.device, StepBias] = {}  # this forward's verification block's masks, per device
         layers = []
         for idx, kind in enumerate(_layer_types(text)):
             if kind in _SLIDING:
@@ -188,7 +189,7 @@ class FlexiCache(Cache):
         """What a forward's first layer does before anything is written: refuse what FlexiCache cannot serve, and tell
         a prompt from decode steps (one token on a filled cache is a decode step, unless generate feeds it as a prompt,
         `in_prefill`)."""
-        self._contexts = {}
+        self._contexts, self._block_biases = {}, {}
         if torch.compiler.is_compiling():  # a compiled forward is a decode step (`is_compileable`): nothing to check
             self.prefilling = False
             return
@@ -358,7 +359,7 @@ class FlexiCache(Cache):
                 self.ledger.resized(_dense_bytes(layer), 0)
                 layer.keys = layer.values = None
         self.layers = []
-        self._biases, self._contexts = {}, {}
+        self._biases, self._contexts, self._block_biases = {}, {}, {}
         if self.auto is not None:
             self.auto.topk, self.auto.valid = {}, {}
 
@@ -373,7 +374,7 @@ class FlexiCache(Cache):
             elif hasattr(layer, "reset"):
                 layer.reset()
         self._host_lengths = {}
-        self._contexts = {}
+        self._contexts, self._block_biases = {}, {}
 
     # -- tokens held and room for them -------------------------------------------------------------------
     def host_length(self, layer: FlexiCacheLayer) -> int:
@@ -471,6 +472,15 @@ class FlexiCache(Cache):
             cfg = self.cache_config
             bias = StepBias(store.batch, store.pages, cfg.page_size, cfg.subpages, cfg.sink_pages, device)
             self._biases[device] = bias
+        return bias
+
+    def block_bias(self, layer: FlexiCacheLayer, mask, positions: torch.Tensor) -> StepBias:
+        """The masks of this forward's verification block on `layer`'s device (made by its first layer there):
+        `StepBias.for_block` of the mask's last rows at `positions`."""
+        bias = self._block_biases.get(layer.device)
+        if bias is None:
+            bias = self._block_biases[layer.device] = StepBias.for_block(
+                self.step_bias(layer), mask if isinstance(mask, torch.Tensor) else None, positions)
         return bias
 
     @property

@@ -58,6 +58,8 @@ class RowIndex:
             as_tensor(stable)
         self.stable_local = as_tensor(local)
         self.batch_of = as_tensor([n // h for n in range(self.rows)])
+        # The same on the host, for plans made before a step (a verification block's schedule).
+        self.unstable_rows, self.streaming_rows, self.stable_rows = rows(kinds.unstable), rows(kinds.streaming), stable
 
     @property
     def n_unstable(self) -> int:

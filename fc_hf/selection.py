@@ -58,43 +58,128 @@ class PageSelector:
     def rank(self, query: torch.Tensor, rows: torch.Tensor, store, bias, scaling: float) -> Ranking:
         """Rank rows `rows [n]` (a row index; `store.n` for a padded place, whose results are not kept) for their queries
         `query [n, G, D]` at this step. `bias` is the step's `StepBias`."""
-        cfg, store_rows = self.cfg, store.n
-        real = rows.clamp(max=store_rows - 1)  # padded places compute on a real row; their writes go to the extra row
+        real = rows.clamp(max=store.n - 1)  # padded places compute on a real row; their writes go to the extra row
         seq = store.rows.batch_of.index_select(0, real)
-        scores = kernels.page_scores(query, store.meta.index_select(0, real), bias.pages.index_select(0, seq),
-                                     store.subpages, backend=cfg.backend)
-        k = min(self.k, scores.shape[-1])
+        scores = self._scores(query, real, seq, store, bias)
         if not self.refine:
-            return Ranking(torch.topk(scores, k, dim=-1, sorted=False).indices)
+            return Ranking(self._top(scores))
+        carried = None
         if self.carry:
-            scores.scatter_reduce_(1, self.carried_pages.index_select(0, rows), self.carried_scores.index_select(0, rows),
-                                   "amax")
+            carried = (self.carried_pages.index_select(0, rows), self.carried_scores.index_select(0, rows))
+        ranking, out = self._refine(query, real, seq, *self._candidates(scores, carried), store, bias, bias.page,
+                                    scaling)
+        if self.carry:
+            self.carried_pages.index_copy_(0, rows, out[0])
+            self.carried_scores.index_copy_(0, rows, out[1])
+        return ranking
+
+    def rank_block(self, query: torch.Tensor, rows: torch.Tensor, seq: torch.Tensor, prev: torch.Tensor, store, bias,
+                   scaling: float) -> tuple[Ranking, tuple | None]:
+        """Rank the entries of a verification block at once, each as its own step would: entry `e` ranks row
+        `rows[e]` for query `query[e]` over the masks of block sequence `seq[e]` (`bias`: `StepBias.for_block`).
+        `prev [E]`: the entry of the same row the step before (-1: none in the block), whose carried candidates
+        this entry's ranking takes (the selector's state for a row's first).
+
+        A ranking takes the carried candidates of the one before it, so the entries are ranked in rounds: the first
+        with the carried state as it stood before the block; then each entry whose `prev` carried out other pages (as
+        sets, which is all a ranking reads of them) than it ranked with ranks again with those, until none does: then
+        each entry ranked as its own step would. A copy head that keeps its pages settles in the first round; each
+        round fixes at least one more step of every chain. Each round reads which entries changed (a host sync; a
+        verification is eager). Returns the ranking and each entry's carried candidates out
+        (`(pages [E, 2c], scores [E, 2c])`, None without carrying); the selector's state is not written."""
+        real = rows.clamp(max=store.n - 1)
+        scores = self._scores(query, real, seq, store, bias)
+        if not self.refine:
+            return Ranking(self._top(scores)), None
+        page = bias.page.index_select(0, seq)
+        if not self.carry:
+            return self._refine(query, real, seq, *self._candidates(scores, None), store, bias, page, scaling)[0], None
+        state = (self.carried_pages.index_select(0, rows), self.carried_scores.index_select(0, rows))
+        has_prev = (prev >= 0)[:, None]
+        before = prev.clamp(min=0)
+        held = self._carried_set(*state, store.pages)
+        cand_scores, cand = self._candidates(scores, state)
+        ranking, out = self._refine(query, real, seq, cand_scores, cand, store, bias, page, scaling)
+        out = tuple(x.clone() for x in out)  # written per entry below (the scores may be an expanded view)
+        for _ in range(int(rows.numel())):
+            nxt = tuple(torch.where(has_prev, x.index_select(0, before), s) for x, s in zip(out, state))
+            nxt_held = self._carried_set(*nxt, store.pages)
+            changed = (nxt_held != held).any(dim=1).nonzero().flatten()  # a host sync
+            if not changed.numel():
+                return ranking, out
+            held.index_copy_(0, changed, nxt_held.index_select(0, changed))
+            # Other carried pages may still give the same candidates (and the same forced / never-attendable ones):
+            # then the same ranking. Only the entries whose candidates changed rank again.
+            new_scores, new_cand = self._candidates(scores.index_select(0, changed),
+                                                    tuple(x.index_select(0, changed) for x in nxt))
+            same = (new_cand == cand.index_select(0, changed)).all(1) & (
+                torch.isinf(new_scores) == torch.isinf(cand_scores.index_select(0, changed))).all(1)
+            pick = (~same).nonzero().flatten()  # a host sync
+            redo = changed.index_select(0, pick)
+            if not redo.numel():
+                continue
+            new_scores, new_cand = new_scores.index_select(0, pick), new_cand.index_select(0, pick)
+            cand.index_copy_(0, redo, new_cand)
+            cand_scores.index_copy_(0, redo, new_scores)
+            again, moved = self._refine(query.index_select(0, redo), real.index_select(0, redo),
+                                        seq.index_select(0, redo), new_scores, new_cand, store, bias,
+                                        page.index_select(0, redo), scaling)
+            for name in ("pages", "top", "logits", "candidates"):
+                getattr(ranking, name).index_copy_(0, redo, getattr(again, name))
+            for x, y in zip(out, moved):
+                x.index_copy_(0, redo, y)
+        raise AssertionError("carried candidates did not settle within a round per entry")  # a chain has E links
+
+    @staticmethod
+    def _carried_set(pages: torch.Tensor, scores: torch.Tensor, n_pages: int) -> torch.Tensor:
+        """`[E, pages + 1]` bool: the pages an entry's carried candidates raise (finite score); column `pages` none."""
+        at = torch.where(torch.isfinite(scores), pages, n_pages)
+        return torch.zeros(pages.shape[0], n_pages + 1, dtype=torch.bool, device=pages.device).scatter_(1, at, True)
+
+    def _scores(self, query, real, seq, store, bias) -> torch.Tensor:
+        return kernels.page_scores(query, store.meta.index_select(0, real), bias.pages.index_select(0, seq),
+                                   store.subpages, backend=self.cfg.backend)
+
+    def _top(self, scores: torch.Tensor) -> torch.Tensor:
+        return torch.topk(scores, min(self.k, scores.shape[-1]), dim=-1, sorted=False).indices
+
+    def _candidates(self, scores: torch.Tensor, carried) -> tuple[torch.Tensor, torch.Tensor]:
+        """Refinement's candidates: the `refine_pages` best bounds, `carried` raised among them, in page order (so the
+        same candidates are the same ranking whatever raised them). -> `(scores [n, C], pages [n, C])`."""
+        if carried is not None:
+            scores = scores.scatter_reduce(1, carried[0], carried[1], "amax")
         cand_scores, cand = torch.topk(scores, min(self.refine, scores.shape[-1]), dim=-1, sorted=False)
+        cand, order = cand.sort(dim=1)
+        return cand_scores.gather(1, order), cand
+
+    def _refine(self, query, real, seq, cand_scores, cand, store, bias, page, scaling) -> tuple[Ranking, tuple]:
+        """Refinement of candidates `cand [n, C]` (`_candidates`): their exact attention mass, the top K. Returns the
+        ranking and the candidates it carries out."""
+        k = min(self.k, store.pages)
         n, c = cand.shape
         keys = kernels.gather_pages(store.full_k.view(-1, store.page_size, store.head_dim),
-                                    (real[:, None] * store.pages + cand).view(-1), backend=cfg.backend)
+                                    (real[:, None] * store.pages + cand).view(-1), backend=self.cfg.backend)
         tok_bias = bias.page_rows.index_select(0, (seq[:, None] * (store.pages + 1) + cand).view(-1))  # [n*C, P]
         mass, logits = kernels.candidate_mass(query, keys.view(n, c * store.page_size, -1), tok_bias.view(n, -1),
-                                              cand_scores, scaling, store.page_size, backend=cfg.backend)
-        if self.carry:
-            self._carry(rows, cand, mass, bias.page)
+                                              cand_scores, scaling, store.page_size, backend=self.cfg.backend)
+        out = self._carry_out(cand, mass, page) if self.carry else None
         top = torch.topk(mass, k, dim=-1, sorted=False).indices
-        return Ranking(cand.gather(1, top), top, logits, cand)
+        return Ranking(cand.gather(1, top), top, logits, cand), out
 
-    def _carry(self, rows: torch.Tensor, cand: torch.Tensor, mass: torch.Tensor, page: torch.Tensor) -> None:
-        """Carry, into the rows' next ranking, their `carry_pages` candidates of most mass and the page after each (the
-        page being filled, `page`, at most); a score of -inf where a row had fewer candidates of positive, finite mass
-        (neither forced nor never attendable)."""
+    def _carry_out(self, cand: torch.Tensor, mass: torch.Tensor, page: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """What a ranking carries into its row's next one: its `carry_pages` candidates of most mass and the page after
+        each (the page being filled, `page` (a scalar or one per ranking), at most); a score of -inf where a row had
+        fewer candidates of positive, finite mass (neither forced nor never attendable)."""
         top = mass.nan_to_num(posinf=0.0, neginf=0.0).topk(min(self.carry, mass.shape[1]), dim=-1)
         best = cand.gather(1, top.indices)[..., None]  # [n, carry, 1]
-        pages = torch.minimum(best + self._successor, page).flatten(1)
+        limit = page.view(-1, 1, 1) if page.dim() else page
+        pages = torch.minimum(best + self._successor, limit).flatten(1)
         score = torch.where(top.values[..., None] > 0, CARRIED_SCORE, NEG_INF).expand(-1, -1, 2).flatten(1)
         missing = self.carried_pages.shape[1] - pages.shape[1]
         if missing:  # fewer candidates than pages to carry (a small capacity): the other places carry nothing
             pages = torch.cat([pages, pages.new_zeros(pages.shape[0], missing)], dim=1)
             score = torch.cat([score, score.new_full((score.shape[0], missing), NEG_INF)], dim=1)
-        self.carried_pages.index_copy_(0, rows, pages)
-        self.carried_scores.index_copy_(0, rows, score)
+        return pages, score
 
     # -- the selector's state ------------------------------------------------------------------------------------
     def forget(self) -> None:

@@ -8,7 +8,7 @@ device, into preallocated buffers that every FlexiCache layer on that device rea
 - `pages [B, pages * S]` (fp32): the scoring bias of each MinMax entry: -inf for a page with no attendable token
   (padding, not yet written), +inf on the first entry of the forced pages (the page being filled, the sink: the first
   `sink_pages` attendable pages), 0 elsewhere.
-- `page`: the page being filled (a device scalar).
+- `page`: the page being filled (a device scalar; per sequence for a verification block's, `for_block`).
 Everything is computed on the device from the mask and the length: no host number changes from step to step.
 """
 
@@ -45,28 +45,46 @@ class StepBias:
     def update(self, mask: torch.Tensor | None, position: torch.Tensor) -> None:
         """This step's buffers from the mask (`[B, 1, T, capacity]` bool or additive float, its last query row; None:
         every token up to `position`) and `position`, the current token's (a device scalar)."""
+        self._fill(None if mask is None else mask[:, 0, -1], position)
+
+    @classmethod
+    def for_block(cls, step: "StepBias", mask: torch.Tensor | None, positions: torch.Tensor) -> "StepBias":
+        """The masks of a verification block's `t` decode steps at once, as one `StepBias` of `t * B` sequences (step
+        `j`'s sequence `b` is `j * B + b`): the mask's last `t` query rows, the steps' `positions [t]`; `page` is then
+        each sequence's page being filled `[t * B]`."""
+        t, b = positions.numel(), step.batch
+        bias = cls(t * b, step.num_pages, step.page_size, step.subpages, step.sink, positions.device)
+        bias.page = positions.new_zeros(t * b)
+        rows = None if mask is None else mask[:, 0, mask.shape[2] - t :].transpose(0, 1).reshape(t * b, -1)
+        bias._fill(rows, positions.repeat_interleave(b))
+        return bias
+
+    def _fill(self, rows: torch.Tensor | None, position: torch.Tensor) -> None:
+        """The buffers from each sequence's mask row (`[B, L]`; None: causal) and its token's `position` (a scalar
+        shared by every sequence, or one per sequence `[B]`)."""
         b, pages, p = self.batch, self.num_pages, self.page_size
         tokens = self.tokens[:, :pages].view(b, pages * p)
-        if mask is None:
-            ok = (self._index[:, None] * p + torch.arange(p, device=tokens.device)).view(-1) <= position
-            tokens.copy_(torch.where(ok, 0.0, NEG_INF).expand(b, -1))
+        at = position.view(-1, 1)  # [1, 1] or [B, 1]
+        if rows is None:
+            tokens.copy_(torch.where(self._positions <= at, 0.0, NEG_INF).expand(b, -1))
         else:
-            row = mask[:, 0, -1, : pages * p]
+            row = rows[:, : pages * p]
             ok = row if row.dtype == torch.bool else row >= 0  # an additive mask: 0 to attend, very negative not to
             if ok.shape[-1] < pages * p:  # a mask of the tokens so far only (a caller's own): the rest is not attended
                 tokens[:, ok.shape[-1] :] = NEG_INF
             tokens[:, : ok.shape[-1]].copy_(torch.where(ok, self._zero, self._neg_inf))
         # Causal whatever the mask says (a caller's padding-only mask): nothing past the step's own token, which is
         # attended (a short mask may miss it).
-        tokens.masked_fill_(self._positions > position, NEG_INF).index_fill_(1, position.view(1), 0.0)
-        self.page.copy_(position // p)
+        tokens.masked_fill_(self._positions > at, NEG_INF).scatter_(1, at.expand(b, 1), 0.0)
+        page = at // p
+        self.page.copy_(page.view(()) if self.page.dim() == 0 else page.view(-1).expand(b))
         valid = self.tokens[:, :pages].amax(dim=-1) == 0  # [B, pages]: an attendable token in the page
         bias = torch.where(valid, 0.0, NEG_INF)
         if self.sink:
             first = valid.to(torch.int8).argmax(dim=1, keepdim=True)  # each sequence's first attendable page
             sink = (first + self._sink).clamp_(max=pages - 1)
             bias.scatter_(1, sink, torch.where(valid.gather(1, sink), POS_INF, NEG_INF))
-        bias.index_fill_(1, self.page.view(1), POS_INF)
+        bias.scatter_(1, page.expand(b, 1), POS_INF)
         entries = self.pages.view(b, pages, self.subpages)
         entries[:, :, 0] = bias
         if self.subpages > 1:  # the other entries of a forced page: its score is the max over its entries anyway

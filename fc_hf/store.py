@@ -31,6 +31,7 @@ import math
 import torch
 
 from .rows import HeadKinds, RowIndex
+from .tiers import window_pages_of
 
 
 def window_pages(cfg, capacity_pages: int) -> int:
@@ -213,16 +214,29 @@ class PageStore:
         shift = (self.cfg.pages_per_head - 1 - position // self.page_size) * self.page_size
         self.win_shift.copy_(self.win_base + shift)
         self.win_pages.fill_(-1)  # nothing of the windows is kept: the next ranking fills them from the host tier
+        self.window_tokens()
 
     def window_tokens(self, local: torch.Tensor | None = None) -> None:
-        """`win_tok` of the stable rows `local` (all with None) from their `win_pages` and their sequences: page `p`'s
-        token `t` of sequence `b` is `(b * (pages + 1) + p) * P + t`; no page (-1) is the null page `pages` (masked)."""
-        p, pages = self.page_size, self.pages
+        """`win_tok` of the stable rows `local` (all with None) from their `win_pages` and their sequences."""
         rows = self.rows.stable
         if local is None:
             local = torch.arange(rows.numel() + 1, device=self.device)
         seq = torch.cat([self.rows.batch_of[rows], rows.new_zeros(1)]).index_select(0, local)  # the trash row: 0
-        win = self.win_pages.index_select(0, local)
-        page = torch.where((win >= 0) & (win < pages), win, pages)  # no page, or one past the capacity: null
+        self.win_tok.index_copy_(0, local, self.token_index(seq, self.win_pages.index_select(0, local)))
+
+    def token_index(self, seq: torch.Tensor, window: torch.Tensor) -> torch.Tensor:
+        """Each token's flat index into a step's token bias for windows `window [n, W]` of sequences `seq [n]`: page
+        `p`'s token `t` of sequence `b` is `(b * (pages + 1) + p) * P + t`; no page (-1, or one past the capacity) is
+        the null page `pages` (masked). -> `[n, W * P]`."""
+        p, pages = self.page_size, self.pages
+        page = torch.where((window >= 0) & (window < pages), window, pages)
         tok = ((seq[:, None] * (pages + 1) + page) * p)[:, :, None] + torch.arange(p, device=self.device)
-        self.win_tok.index_copy_(0, local, tok.view(local.numel(), -1))
+        return tok.view(window.shape[0], -1)
+
+    def refill_windows(self, local: torch.Tensor) -> None:
+        """The windows of stable rows `local` read again from the full tier by their `win_pages` (a crop's restore:
+        the tokens a window holds are the full tier's)."""
+        window = self.win_pages.index_select(0, local)
+        rows = self.rows.stable.index_select(0, local)
+        self.win_k.index_copy_(0, local, window_pages_of(self, rows, window, self.full_k))
+        self.win_v.index_copy_(0, local, window_pages_of(self, rows, window, self.full_v))

@@ -4,7 +4,10 @@ Planned on the device in fixed shapes (a padded place is a row that writes into 
 step with a ranking is the same launches as any other. A window's positions `[0, K - 1)` take the ranking's pages other
 than the page being filled, position `K - 1` the page being filled, and the later positions the pages it will open
 before its next ranking. Pages newly resident are counted (`promoted`); on a CPU every page is copied from the host
-tier (host memory is the device's own); the Triton path reads the pages already in the window from the device.
+tier (host memory is the device's own).
+
+`plan_windows` (what a ranking makes of a window), `newly_resident` (what it promotes) and `window_pages_of` (a
+window's tokens read from the full tier) are shared with a verification block's moves (`fc_hf/block.py`).
 """
 
 from __future__ import annotations
@@ -14,34 +17,59 @@ import torch
 from .kernels import dispatch as kernels
 
 
-def move_windows(store, local: torch.Tensor, rows: torch.Tensor, pages: torch.Tensor, page: torch.Tensor,
-                 promoted: torch.Tensor) -> None:
-    """Make `pages [n, K]` (a ranking's, the page being filled `page` among them) the windows of the stable rows at
-    `local [n]` (indices among the stable rows; the extra row for a padded place), whose rows are `rows [n]`; add the
-    pages not resident before to `promoted` (a device counter)."""
-    k, p = store.cfg.pages_per_head, store.page_size
-    n_stable = store.rows.n_stable
+def plan_windows(store, pages: torch.Tensor, page: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The windows a ranking's `pages [n, K]` make, the page being filled `page` (a scalar, or one per ranking `[n]`)
+    among them: `(window [n, W]` (the page at each position, -1 for none), `source [n, K]` (the pages the first K
+    positions read, 0 for none), `present [n, K])`."""
+    k = store.cfg.pages_per_head
+    at = page.view(-1, 1) if page.dim() else page
     if pages.shape[1] < k:  # a capacity of fewer than K pages: the other places hold pages past it (none)
         filler = torch.arange(store.pages, store.pages + k - pages.shape[1], device=pages.device)
         pages = torch.cat([pages, filler.expand(pages.shape[0], -1)], dim=1)
     # In page order (a window's content does not depend on the order a ranking found its pages in), the page being
     # filled last among the ranked pages (`pages[:, K-1]`), where its later tokens are written.
     pages = pages.sort(dim=1).values
-    pages = torch.where(pages == page, pages[:, k - 1 :], pages)
+    pages = torch.where(pages == at, pages[:, k - 1 :], pages)
     pages[:, k - 1] = page
-    present = pages <= page  # a ranking may fill up with pages that do not exist yet: none
-    old = store.win_pages.index_select(0, local)
-    resident = (pages[:, :, None] == old[:, None, :]).any(-1)
+    present = pages <= at  # a ranking may fill up with pages that do not exist yet: none
+    later = at + store.later_pages  # the pages it will open, at positions K, K + 1, ...
+    window = torch.cat([torch.where(present, pages, -1), later.expand(pages.shape[0], -1)], dim=1)
+    return window, torch.where(present, pages, 0), present
+
+
+def newly_resident(window: torch.Tensor, old: torch.Tensor, present: torch.Tensor) -> torch.Tensor:
+    """`[n, K]` bool: the present pages of new windows `window [n, W]` that the old windows `old [n, W]` did not hold."""
+    k = present.shape[1]
+    return present & ~(window[:, :k, None] == old[:, None, :]).any(-1)
+
+
+def window_pages_of(store, rows: torch.Tensor, window: torch.Tensor, tier: torch.Tensor) -> torch.Tensor:
+    """The tokens of windows `window [n, W]` of rows `rows [n]` read from the full tier `tier` (`full_k` or `full_v`):
+    `[n, W * P, D]`; a position without a page (or past the capacity) reads page 0 (its tokens are masked)."""
+    p = store.page_size
+    page = torch.where((window >= 0) & (window < store.pages), window, 0)
+    source = (rows[:, None] * store.pages + page).view(-1)
+    return kernels.gather_pages(tier.view(-1, p, tier.shape[-1]), source,
+                                backend=store.cfg.backend).view(rows.numel(), -1, tier.shape[-1])
+
+
+def move_windows(store, local: torch.Tensor, rows: torch.Tensor, pages: torch.Tensor, page: torch.Tensor,
+                 promoted: torch.Tensor) -> None:
+    """Make `pages [n, K]` (a ranking's, the page being filled `page` among them) the windows of the stable rows at
+    `local [n]` (indices among the stable rows; the extra row for a padded place), whose rows are `rows [n]`; add the
+    pages not resident before to `promoted` (a device counter)."""
+    k, p = store.cfg.pages_per_head, store.page_size
+    window, source, present = plan_windows(store, pages, page)
     if store.host_tier:  # without a host tier (offload off) a window is filled from device memory: no promotion
-        promoted.add_((present & ~resident & (local < n_stable)[:, None]).sum())
-    source = (rows[:, None] * store.pages + torch.where(present, pages, 0)).view(-1)
+        fresh = newly_resident(window, store.win_pages.index_select(0, local), present)
+        promoted.add_((fresh & (local < store.rows.n_stable)[:, None]).sum())
     n = local.numel()
+    at = (rows[:, None] * store.pages + source).view(-1)
     backend = store.cfg.backend
-    keys = kernels.gather_pages(store.full_k.view(-1, p, store.head_dim), source, backend=backend).view(n, k * p, -1)
-    values = kernels.gather_pages(store.full_v.view(-1, p, store.value_dim), source, backend=backend).view(n, k * p, -1)
+    keys = kernels.gather_pages(store.full_k.view(-1, p, store.head_dim), at, backend=backend).view(n, k * p, -1)
+    values = kernels.gather_pages(store.full_v.view(-1, p, store.value_dim), at, backend=backend).view(n, k * p, -1)
     store.win_k[:, : k * p].index_copy_(0, local, keys)
     store.win_v[:, : k * p].index_copy_(0, local, values)
-    later = page + store.later_pages  # the pages it will open, at positions K, K + 1, ...
-    store.win_pages.index_copy_(0, local, torch.cat([torch.where(present, pages, -1), later.expand(n, -1)], dim=1))
+    store.win_pages.index_copy_(0, local, window)
     store.win_shift.index_copy_(0, local, store.win_base.index_select(0, local) + (k - 1 - page) * p)
     store.window_tokens(local)

@@ -2,27 +2,27 @@
 
 `VerifiedDecoding` is the part of `FlexiCacheLayer` (fc_hf/layer.py) that serves transformers' assisted loop
 (`fc_hf/speculative.py` says how it drives the cache): while recording, a mark before each decode token (`LayerMark`),
-the block of decode tokens a verification forward brings attended exactly as plain decoding would (each token appended,
-ranked and attended at its own step), and `crop(-n)` restoring the state before the rejected tokens.
+the block of decode tokens a verification forward brings attended exactly as plain decoding would (each token
+appended, ranked and attended as at its own step: `fc_hf/block.py` does the whole block in one set of launches; the
+loop of single steps, `batched_verify = False`, is the reference the tests compare it with), and `crop(-n)` restoring
+the state before the rejected tokens.
 
-What a decode token changes and a mark keeps: the count of tokens, the carried candidates, the windows of the stable
-rows that rank at its step (all of them at the first step after a prompt), the promotion counter and whether the next
-step ranks every stable row. Tokens past the kept length stay in the tensors, masked, until overwritten; the MinMax
-entry of the page being filled is recomputed at every append.
+What a decode token changes and a mark keeps: the count of tokens, the carried candidates, the stable rows' window
+pages (the tokens a window holds are the full tier's: a crop reads back the windows whose pages it restores), the
+promotion counter and whether the next step ranks every stable row. Tokens past the kept length stay in the tensors,
+masked, until overwritten; the MinMax entry of the page being filled is recomputed at every append.
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 
 from . import decode
+from .block import attend_block
 from .errors import FlexiCacheError
 from .grad_modes import storage_mode
-
-_WINDOW_STATE = ("win_k", "win_v", "win_pages", "win_shift", "win_tok")
 
 
 @dataclass
@@ -33,8 +33,8 @@ class LayerMark:
     rank_all: bool
     carried: tuple
     promoted: torch.Tensor
-    window_rows: torch.Tensor | None  # the stable rows (local indices) whose windows the token's step rewrites
-    windows: dict | None  # their window state then
+    win_pages: torch.Tensor  # [N_S + 1, W]
+    win_shift: torch.Tensor  # [N_S + 1]
 
 
 class VerifiedDecoding:
@@ -46,31 +46,17 @@ class VerifiedDecoding:
         self.record_past = False
         self._marks: list[LayerMark] = []
         self._block: tuple | None = None
-        self.batched_verify = os.environ.get("FLEXICACHE_BATCHED_VERIFY", "1") != "0"
+        self.batched_verify = True
 
     def activate_past_recording(self, recurrent_states_to_keep: int | None = None, **kwargs) -> None:
         """Mark every decode token from now on (`crop`). `recurrent_states_to_keep` (transformers >= 5.25) counts
         recurrent-state steps, which an attention layer does not have: it is accepted and not used."""
         self.record_past = True
 
-    def _ranking_rows(self, step: int) -> torch.Tensor | None:
-        """The stable rows (local indices) whose windows decode step `step` rewrites, on the host's count."""
-        n_s = self.store.rows.n_stable
-        if not n_s:
-            return None
-        if self.rank_all:
-            return self.stable_all
-        r = self.cfg.rerank_interval
-        phase = step % r
-        start, end = (phase * n_s + r - 1) // r, ((phase + 1) * n_s + r - 1) // r
-        return self.stable_all[start:end] if end > start else None
-
     def _mark(self) -> LayerMark:
         store = self.store
-        length = self.owner.host_length(self)
-        rows = self._ranking_rows(length - self.prompt_end + 1)
-        windows = None if rows is None else {name: getattr(store, name).index_select(0, rows) for name in _WINDOW_STATE}
-        return LayerMark(length, self.rank_all, self.selector.mark(), self.promoted.clone(), rows, windows)
+        return LayerMark(self.owner.host_length(self), self.rank_all, self.selector.mark(), self.promoted.clone(),
+                         store.win_pages.clone(), store.win_shift.clone())
 
     def crop(self, tokens_to_remove: int) -> None:
         """Take back the last `-tokens_to_remove` tokens (the rejected candidates of a verification), exactly: the
@@ -78,16 +64,18 @@ class VerifiedDecoding:
         target = self.crop_mark(tokens_to_remove)
         if target is not None:
             with storage_mode():
-                at = self._marks.index(target)
-                for mark in reversed(self._marks[at:]):  # each mark undoes its own token's window rewrites
-                    self._restore(mark)
+                self._restore(target)
         self.commit()
 
     def _restore(self, mark: LayerMark) -> None:
         store = self.store
-        if mark.window_rows is not None:
-            for name, saved in mark.windows.items():
-                getattr(store, name).index_copy_(0, mark.window_rows, saved)
+        changed = (store.win_pages != mark.win_pages).any(dim=1)
+        store.win_pages.copy_(mark.win_pages)
+        store.win_shift.copy_(mark.win_shift)
+        local = changed[:-1].nonzero().flatten()  # a crop is eager: the host reads which windows to read back
+        if local.numel():
+            store.window_tokens(local)
+            store.refill_windows(local)
         self.selector.restore(mark.carried)
         self.promoted.copy_(mark.promoted)
         self.rank_all = mark.rank_all
@@ -138,6 +126,11 @@ class VerifiedDecoding:
             raise FlexiCacheError(
                 f"FlexiCache layer {self.layer_idx} was given {keys.shape[2]} decode tokens but {t} queries."
             )
+        if self.batched_verify:
+            out, marks = attend_block(self, query, keys, values, attention_mask, scaling, softcap)
+            if self.record_past:
+                self._marks.extend(marks)
+            return out
         out = query.new_empty(b, t, hq, self.value_dim)
         rows = attention_mask.shape[2] if isinstance(attention_mask, torch.Tensor) else 0
         for j in range(t):

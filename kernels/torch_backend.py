@@ -84,18 +84,19 @@ def attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bia
     Args:
         query (`torch.Tensor` of shape `[n, G, D]`).
         keys, values (`torch.Tensor` of shape `[n, M, D]`, `[n, M, Dv]`).
-        bias (`torch.Tensor` of shape `[n, M]`): 0 where a token may be attended, -inf where not.
+        bias (`torch.Tensor` of shape `[n, M]`, or `[n, G, M]` per query row): 0 where a token may be attended, -inf
+            where not.
         scaling (`float`), softcap (`float`, *optional*): `tanh(s / c) * c` on the scaled logits (Gemma-2 style).
 
     Returns:
         `torch.Tensor` of shape `[n, G, Dv]` in the values' dtype (softmax in fp32).
     """
+    bias = bias if bias.dim() == 3 else bias[:, None, :]
     if softcap is None:
-        logits = torch.baddbmm(bias[:, None, :].to(keys.dtype), query.to(keys.dtype), keys.transpose(1, 2),
-                               alpha=scaling)
+        logits = torch.baddbmm(bias.to(keys.dtype), query.to(keys.dtype), keys.transpose(1, 2), alpha=scaling)
     else:
         logits = torch.matmul(query.to(keys.dtype), keys.transpose(1, 2)).float() * scaling
-        logits = torch.tanh(logits / softcap) * softcap + bias[:, None, :]
+        logits = torch.tanh(logits / softcap) * softcap + bias
     return attention_from_logits(logits, values)
 
 

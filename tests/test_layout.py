@@ -27,7 +27,6 @@ CORE_MODULES = [f"fc_hf.{p.stem}" for p in CORE_SOURCES if p.parent.name == "fc_
 NOT_CORE = ("fc_hf.assets", "fc_hf.profiler", "fc_hf.eval", "fc_hf.demo", "fc_hf.cli")
 HARNESS = sorted((ROOT / "eval").glob("*.py"))
 BENCH = sorted((ROOT / "eval" / "bench").glob("*.py"))
-# Old name of eval/bench/kernels.py (an alias module), kept while tests/test_kernels.py imports it.
 
 
 def _package_of(path: Path) -> str:

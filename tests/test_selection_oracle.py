@@ -192,20 +192,28 @@ def test_mutant_refinement_skipped(monkeypatch):
 
 def test_mutant_carried_pages_dropped(monkeypatch):
     """A ranking forgets what the previous one carried."""
-    monkeypatch.setattr(selection.PageSelector, "_carry", lambda self, *a: None)
+    real = selection.PageSelector._carry_out
+
+    def nothing(self, *args):
+        pages, scores = real(self, *args)
+        return pages, torch.full_like(scores, float("-inf"))
+
+    monkeypatch.setattr(selection.PageSelector, "_carry_out", nothing)
     with pytest.raises(AssertionError, match="^selection"):
         run_case(CARRY)
 
 
 def test_mutant_carried_successors_dropped(monkeypatch):
     """Only the carried pages themselves, not the page after each, become candidates."""
-    real = selection.PageSelector._carry
+    real = selection.PageSelector._carry_out
 
-    def no_successor(self, rows, *args):
-        real(self, rows, *args)
-        self.carried_scores[:, 1::2] = float("-inf")  # the successors' entries (after each page's own) carry nothing
+    def no_successor(self, *args):
+        pages, scores = real(self, *args)
+        scores = scores.clone()
+        scores[:, 1::2] = float("-inf")  # the successors' entries (after each page's own) carry nothing
+        return pages, scores
 
-    monkeypatch.setattr(selection.PageSelector, "_carry", no_successor)
+    monkeypatch.setattr(selection.PageSelector, "_carry_out", no_successor)
     with pytest.raises(AssertionError, match="^selection"):
         run_case(CARRY)
 
