@@ -33,6 +33,14 @@ class DecodeContext:
     step: torch.Tensor
     bias: StepBias
     ready: bool = field(default=False)
+    _due: dict = field(default_factory=dict)
+
+    def due(self, n_stable: int, interval: int, places: torch.Tensor) -> torch.Tensor:
+        """`schedule.due_rows` at this step, computed once for the layers that share a count of stable rows."""
+        key = (n_stable, interval, places.numel())
+        if key not in self._due:
+            self._due[key] = due_rows(self.step, n_stable, interval, places)
+        return self._due[key]
 
     def masks(self, attention_mask) -> StepBias:
         if not self.ready:
@@ -76,7 +84,7 @@ def attend(layer, query: torch.Tensor, ctx: DecodeContext, attention_mask, scali
     if n_s and layer.rank_all:  # the first step after a prompt: every stable row, its new window at once
         stable_ranked = layer.stable_all
     elif n_s:
-        stable_ranked = due_rows(ctx.step, n_s, layer.cfg.rerank_interval, layer.places)
+        stable_ranked = ctx.due(n_s, layer.cfg.rerank_interval, layer.places)
     ranking = None
     if n_e or stable_ranked is not None:
         ranked = rows.unstable if stable_ranked is None else torch.cat(

@@ -53,6 +53,9 @@ class PageSelector:
         self.carried_pages = torch.zeros(rows + 1, width, dtype=torch.long, device=device)
         self.carried_scores = torch.full((rows + 1, width), NEG_INF, device=device)
         self._successor = torch.arange(2, device=device)
+        # device constants: a Python float in torch.where is one more launch per call
+        self._carried_score = torch.tensor(CARRIED_SCORE, device=device)
+        self._neg_inf = torch.tensor(NEG_INF, device=device)
 
     # -- the ranking -------------------------------------------------------------------------------------------
     def rank(self, query: torch.Tensor, rows: torch.Tensor, store, bias, scaling: float) -> Ranking:
@@ -174,7 +177,7 @@ class PageSelector:
         best = cand.gather(1, top.indices)[..., None]  # [n, carry, 1]
         limit = page.view(-1, 1, 1) if page.dim() else page
         pages = torch.minimum(best + self._successor, limit).flatten(1)
-        score = torch.where(top.values[..., None] > 0, CARRIED_SCORE, NEG_INF).expand(-1, -1, 2).flatten(1)
+        score = torch.where(top.values[..., None] > 0, self._carried_score, self._neg_inf).expand(-1, -1, 2).flatten(1)
         missing = self.carried_pages.shape[1] - pages.shape[1]
         if missing:  # fewer candidates than pages to carry (a small capacity): the other places carry nothing
             pages = torch.cat([pages, pages.new_zeros(pages.shape[0], missing)], dim=1)

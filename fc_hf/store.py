@@ -70,6 +70,7 @@ class PageStore:
         self.win_base = torch.arange(n_s + 1, device=self.device) * wp
         # Pages a window's positions K, K + 1, ... hold, after the page being filled at its ranking.
         self.later_pages = torch.arange(1, max(1, self.window - cfg.pages_per_head + 1), device=self.device)
+        self._in_page = torch.arange(self.page_size, device=self.device)  # a token's offset in its page
 
     # -- sizes ----------------------------------------------------------------------------------------
     @property
@@ -216,13 +217,15 @@ class PageStore:
         self.win_pages.fill_(-1)  # nothing of the windows is kept: the next ranking fills them from the host tier
         self.window_tokens()
 
-    def window_tokens(self, local: torch.Tensor | None = None) -> None:
-        """`win_tok` of the stable rows `local` (all with None) from their `win_pages` and their sequences."""
-        rows = self.rows.stable
+    def window_tokens(self, local: torch.Tensor | None = None, window: torch.Tensor | None = None) -> None:
+        """`win_tok` of the stable rows `local` (all with None) from their `win_pages` (or `window`, what was just
+        written there) and their sequences."""
         if local is None:
-            local = torch.arange(rows.numel() + 1, device=self.device)
-        seq = torch.cat([self.rows.batch_of[rows], rows.new_zeros(1)]).index_select(0, local)  # the trash row: 0
-        self.win_tok.index_copy_(0, local, self.token_index(seq, self.win_pages.index_select(0, local)))
+            local = torch.arange(self.rows.n_stable + 1, device=self.device)
+        if window is None:
+            window = self.win_pages.index_select(0, local)
+        seq = self.rows.stable_batch.index_select(0, local)
+        self.win_tok.index_copy_(0, local, self.token_index(seq, window))
 
     def token_index(self, seq: torch.Tensor, window: torch.Tensor) -> torch.Tensor:
         """Each token's flat index into a step's token bias for windows `window [n, W]` of sequences `seq [n]`: page
@@ -230,7 +233,7 @@ class PageStore:
         the null page `pages` (masked). -> `[n, W * P]`."""
         p, pages = self.page_size, self.pages
         page = torch.where((window >= 0) & (window < pages), window, pages)
-        tok = ((seq[:, None] * (pages + 1) + page) * p)[:, :, None] + torch.arange(p, device=self.device)
+        tok = ((seq[:, None] * (pages + 1) + page) * p)[:, :, None] + self._in_page
         return tok.view(window.shape[0], -1)
 
     def refill_windows(self, local: torch.Tensor) -> None:

@@ -72,4 +72,4 @@ def move_windows(store, local: torch.Tensor, rows: torch.Tensor, pages: torch.Te
     store.win_v[:, : k * p].index_copy_(0, local, values)
     store.win_pages.index_copy_(0, local, window)
     store.win_shift.index_copy_(0, local, store.win_base.index_select(0, local) + (k - 1 - page) * p)
-    store.window_tokens(local)
+    store.window_tokens(local, window)

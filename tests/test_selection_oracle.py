@@ -222,11 +222,14 @@ def test_mutant_stable_heads_forget_pages_created_since_rank(monkeypatch):
     """A window drops the pages opened after its ranking (they are not read)."""
     real = store_module.PageStore.window_tokens
 
-    def forgetful(self, local=None):
+    def forgetful(self, local=None, window=None):
         k = self.cfg.pages_per_head
+        if window is not None:
+            window = window.clone()
+            window[:, k:] = -1
         saved = self.win_pages[:, k:].clone()
         self.win_pages[:, k:] = -1
-        real(self, local)
+        real(self, local, window)
         self.win_pages[:, k:] = saved
 
     monkeypatch.setattr(store_module.PageStore, "window_tokens", forgetful)
