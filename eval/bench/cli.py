@@ -109,6 +109,8 @@ def _parser() -> argparse.ArgumentParser:
                    help='paired suite: FlexiCacheConfig fields, e.g. "carry_pages=0"; the suite then times '
                         'FlexiCache against FlexiCache with these fields on top (same context) instead of the floor')
     p.add_argument("--steps", type=int, default=16, help="timed decode steps per case (after the first, untimed)")
+    p.add_argument("--warmup-steps", type=int, default=0,
+                   help="decode suite: untimed steps after the first, before the timed ones")
     p.add_argument("--llama-layers", type=int, default=2, help="decoder layers of the Llama-8B-shaped model")
     p.add_argument("--unstable-fraction", type=float, default=0.25, help="share of unstable heads of the synthetic profile")
     p.add_argument("--prefill-lengths", default="4k,8k", help="prefill suite lengths (SmolLM2 shape, batch 1)")
@@ -162,6 +164,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--spec-lookup", default="3,10",
                    help="speculative suites: prompt_lookup_num_tokens, a comma list (the check uses the first)")
     p.add_argument("--spec-budget", type=int, default=1024, help="speculative suite: FlexiCache token budget")
+    p.add_argument("--spec-source", default="leval", choices=("leval", "kjv-recall"),
+                   help="speculative suites: L-Eval questions, or passages that end by quoting an earlier part")
     p.add_argument("--spec-data", default="../shared/data/leval/open-ended", help="speculative suites: L-Eval files")
     p.add_argument("--spec-tasks", default="gov_report_summ,multidoc_qa,news_summ,paper_assistant,patent_summ,"
                    "tv_show_summ,meeting_summ", help="speculative suites: L-Eval tasks, taken in turn")

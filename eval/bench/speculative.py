@@ -68,7 +68,8 @@ def _profile(name: str, config):
 
 def _prompts(tok, spec: dict) -> list[dict]:
     """`[{"ids": [...], "task": ...}]`: the first question of each L-Eval document (tasks in turn) after the document,
-    as a chat turn, at most `spec["length"] - spec["new"]` tokens (the document cut in the middle) and at least
+    as a chat turn (or, with `spec["source"] == "kjv-recall"`, a King James passage that ends by asking to repeat an
+    earlier part of it), at most `spec["length"] - spec["new"]` tokens (the document cut in the middle) and at least
     `spec["shortest"]` of that; synthetic ones (a span seen twice) for the smoke model."""
     n, limit = spec["prompts"], spec["length"] - spec["new"]
     if tok is None:
@@ -79,6 +80,14 @@ def _prompts(tok, spec: dict) -> list[dict]:
             filler = torch.randint(3, 90, (limit - 60,), generator=g).tolist()
             out.append({"ids": (filler + span + span[:12])[:limit], "task": "synthetic"})
         return out
+    if spec.get("source") == "kjv-recall":  # a passage that ends by asking to repeat an earlier part of it
+        from fc_hf.profiler.tasks import build_prompt
+
+        # built a little short (the builder lands within a few percent), never cut: the request is at the end
+        prompts = [build_prompt("kjv-recall", tok, int(limit * 0.94), sample=i).input_ids[0].tolist() for i in range(n)]
+        if max(map(len, prompts)) > limit:
+            raise ValueError(f"a kjv-recall prompt of {max(map(len, prompts))} tokens exceeds {limit}")
+        return [{"ids": ids, "task": "kjv-recall"} for ids in prompts]
     per_task = {}
     for task in spec["tasks"]:
         path = Path(spec["data"]) / f"{task}.jsonl"
@@ -173,7 +182,7 @@ def _speed_spec(args) -> dict:
             "prompts": args.spec_prompts, "new": args.spec_new, "budget": args.spec_budget, "data": args.spec_data,
             "lookup": [int(k) for k in str(args.spec_lookup).split(",")], "threads": args.threads,
             "tasks": [t for t in args.spec_tasks.split(",") if t], "shortest": args.spec_shortest,
-            "repeats": args.verify_repeats}
+            "repeats": args.verify_repeats, "source": args.spec_source}
 
 
 def _worker_rows(entry: str, spec: dict, timeout: int) -> tuple[list[dict], dict, int | str]:
