@@ -33,8 +33,8 @@ test-fast: install
 # and numpy < 2.4 (Triton 3.6's interpreter fails on NumPy 2.4's stricter scalar conversion). A second venv, ~2 GB.
 OLDEST ?= .venv-oldest
 CORE_TESTS := tests/test_core_equivalence.py tests/test_core_selection.py tests/test_tiers.py \
-	tests/test_stream_ordering.py tests/test_async_copies.py tests/test_decode_ops.py tests/test_properties.py \
-	tests/test_cache_state.py tests/test_kernels.py tests/test_kernel_compile.py tests/test_gpu_sanity.py \
+	tests/test_no_host_sync.py tests/test_compile.py tests/test_selection_policies.py tests/test_properties.py \
+	tests/test_cache_state.py tests/test_triton_ops.py tests/test_gpu_sanity.py \
 	tests/test_gpu_script.py
 
 test-oldest:

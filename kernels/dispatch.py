@@ -1,8 +1,11 @@
 """Choose the Triton kernel or the PyTorch backend for each call of the decode step.
 
-On a CPU (and wherever Triton is not used) every call is the PyTorch backend (`torch_backend.py`). On CUDA with Triton
-the calls that read pages go through Triton kernels registered as `torch.library` custom ops (`ops.py`), so a compiled
-step keeps them as single nodes. `FLEXICACHE_BACKEND=torch|triton` (or `FlexiCacheConfig.backend`) forces either.
+`backend_for` picks per call: "triton" for CUDA tensors where Triton imports, else "torch"; `FLEXICACHE_BACKEND=
+torch|triton` (or `FlexiCacheConfig.backend`, passed here as `backend=`) forces either. On the Triton backend
+`page_scores` and `attention` run Triton kernels registered as `torch.library` custom ops (`flexicache::page_scores`,
+`flexicache::attention`, in `triton_ops.py`, imported only on first use so Triton stays optional), each one node of a
+compiled step. The other primitives (`candidate_mass`, `attention_from_logits`, `gather_pages`, `subpage_minmax`) are
+the PyTorch backend (`torch_backend.py`) on both.
 """
 
 from __future__ import annotations
@@ -34,8 +37,17 @@ def _triton_available() -> bool:
     return True
 
 
+def _triton_ops():
+    """`triton_ops` (importing Triton and registering the custom ops on first use)."""
+    from . import triton_ops
+
+    return triton_ops
+
+
 def page_scores(query, meta, bias, subpages, backend=None):
-    """See `torch_backend.page_scores` (a matmul: cuBLAS on CUDA too)."""
+    """See `torch_backend.page_scores`; on the Triton backend the `flexicache::page_scores` op."""
+    if backend_for(query, backend) == "triton":
+        return _triton_ops().page_scores(query, meta, bias, subpages)
     return torch_backend.page_scores(query, meta, bias, subpages)
 
 
@@ -45,7 +57,9 @@ def candidate_mass(query, keys, bias, scores, scaling, page_size, backend=None):
 
 
 def attention(query, keys, values, bias, scaling, softcap=None, backend=None):
-    """See `torch_backend.attention`."""
+    """See `torch_backend.attention`; on the Triton backend the `flexicache::attention` op."""
+    if backend_for(query, backend) == "triton":
+        return _triton_ops().attention(query, keys, values, bias, scaling, softcap)
     return torch_backend.attention(query, keys, values, bias, scaling, softcap)
 
 

@@ -1,0 +1,406 @@
+"""Triton kernels of the decode step, registered as `torch.library` custom ops.
+
+Each op (`flexicache::page_scores`, `flexicache::attention`) has the contract of the `torch_backend` function of the
+same name (read its docstring for the shapes) and a fake implementation (`register_fake`: output shape and dtype
+only), so `torch.compile(fullgraph=True)` keeps a call as one opaque node of the graph and never traces into Triton.
+`dispatch.py` routes to them where `backend_for` answers "triton"; nothing else imports this module, so Triton stays an
+optional dependency (this module imports it at the top).
+
+On a CPU the kernels run only under Triton's interpreter (`TRITON_INTERPRET=1` set before `triton` is first imported);
+that is how the tests run them without a GPU. There the bf16 dots of `attention` run in fp32 over the bf16-rounded
+operands (the same products; the interpreter's bf16 `tl.dot` is wrong, see `_dot_fp32`), so the interpreter does not
+execute the compiled bf16 `tl.dot` path: tests/test_triton_ops.py builds it for sm_90 instead.
+
+Numerics, as the PyTorch backend:
+- `page_scores`: the Quest bound `relu(q) . kmax + min(q, 0) . kmin + bias` in fp32 (the MinMax entries upcast; fp32
+  products, "ieee" precision, never TF32), max over the GQA group, then over each page's S entries. +inf / -inf biases
+  pass through (forced / never attendable pages).
+- `attention`: logits `scaling * q . k` accumulated in fp32 (q cast to the keys' dtype first, as the backend does),
+  optional softcap `tanh(s / c) * c`, plus the bias; an online softmax in fp32 (flash-decoding: the tokens split over
+  programs, the splits merged by their log-sum-exp); the probabilities cast to the values' dtype for `p @ v`, fp32
+  accumulation, output in the values' dtype.
+- A query row whose bias masks every token (-inf everywhere) gives NaN, as `torch.softmax` over an all -inf row does
+  in the backend; a +inf bias in `attention` (outside its contract: 0 or -inf) gives NaN as in the backend too. With no
+  token at all (M == 0) the output is zeros, as the backend's empty matmul.
+"""
+
+import functools
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+
+
+# --------------------------------------------------------------------------------------------------
+# Page scores
+# --------------------------------------------------------------------------------------------------
+
+@triton.jit
+def _page_scores_kernel(
+    q_ptr, meta_ptr, bias_ptr, out_ptr,
+    G, D, E, PAGES,
+    stride_qn, stride_qg, stride_qd,
+    stride_mn, stride_mc, stride_me,
+    stride_bn, stride_be,
+    stride_on, stride_op,
+    S: tl.constexpr,
+    S_PAD: tl.constexpr,
+    BLOCK_PAGES: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    """One program: one row, BLOCK_PAGES pages (BLOCK_PAGES * S_PAD entry slots, slot j is entry j % S_PAD of the
+    block's page j // S_PAD). The 2D channels of [kmax; kmin] are walked in chunks of BLOCK_C, each one `tl.dot` of the
+    group's `[relu(q), min(q, 0)]` against the entries' chunk."""
+    row = tl.program_id(0)
+    block = tl.program_id(1)
+    BLOCK_E: tl.constexpr = BLOCK_PAGES * S_PAD
+
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_c = tl.arange(0, BLOCK_C)
+    offs_j = tl.arange(0, BLOCK_E)
+    sub = offs_j % S_PAD
+    page = block * BLOCK_PAGES + offs_j // S_PAD
+    entry = page * S + sub
+    e_ok = (sub < S) & (page < PAGES)
+    g_ok = offs_g < G
+
+    acc = tl.zeros([BLOCK_G, BLOCK_E], dtype=tl.float32)
+    for c0 in range(0, 2 * D, BLOCK_C):
+        chan = c0 + offs_c
+        c_ok = chan < 2 * D
+        first = chan < D  # kmax channels, then kmin channels
+        dq = tl.where(first, chan, chan - D)
+        q = tl.load(q_ptr + row * stride_qn + offs_g[:, None] * stride_qg + dq[None, :] * stride_qd,
+                    mask=g_ok[:, None] & c_ok[None, :], other=0.0).to(tl.float32)
+        q = tl.where(first[None, :], tl.maximum(q, 0.0), tl.minimum(q, 0.0))
+        m = tl.load(meta_ptr + row * stride_mn + chan[:, None] * stride_mc + entry[None, :] * stride_me,
+                    mask=c_ok[:, None] & e_ok[None, :], other=0.0).to(tl.float32)
+        acc += tl.dot(q, m, input_precision="ieee")
+
+    bias = tl.load(bias_ptr + row * stride_bn + entry * stride_be, mask=e_ok, other=0.0).to(tl.float32)
+    bound = acc + bias[None, :]
+    bound = tl.where(g_ok[:, None] & e_ok[None, :], bound, float("-inf"))
+    best = tl.max(bound, axis=0)  # [BLOCK_E]: max over the group
+    best = tl.max(tl.reshape(best, (BLOCK_PAGES, S_PAD)), axis=1)  # max over the page's entries
+    offs_p = block * BLOCK_PAGES + tl.arange(0, BLOCK_PAGES)
+    tl.store(out_ptr + row * stride_on + offs_p * stride_op, best, mask=offs_p < PAGES)
+
+
+def _strides(prefix: str, suffixes: str, strides) -> dict:
+    return {f"stride_{prefix}{c}": int(st) for c, st in zip(suffixes, strides, strict=True)}
+
+
+def _page_scores_launch(query, meta, bias, subpages, out):
+    """`(grid, args, constexprs, options)` of one `_page_scores_kernel` launch (host numbers of the shapes only).
+
+    About 128 entry slots a program (BLOCK_PAGES pages of S_PAD slots), 64 channels a `tl.dot`, the group padded to 16
+    rows: every `tl.dot` dimension at least 16, as compiled Triton requires. 8 warps: on sm_90 (Triton 3.9, `ptxas
+    -v`) 65-80 registers and no spill for every dtype; over 4 warps the fp16 variant spilled about 100 bytes."""
+    n, g, d = query.shape
+    pages = out.shape[1]
+    s_pad = triton.next_power_of_2(subpages)
+    block_pages = max(1, 128 // s_pad)
+    args = dict(q_ptr=query, meta_ptr=meta, bias_ptr=bias, out_ptr=out, G=g, D=d, E=meta.shape[2], PAGES=pages,
+                **_strides("q", "ngd", query.stride()), **_strides("m", "nce", meta.stride()),
+                **_strides("b", "ne", bias.stride()), **_strides("o", "np", out.stride()))
+    constexprs = dict(S=subpages, S_PAD=s_pad, BLOCK_PAGES=block_pages, BLOCK_G=max(16, triton.next_power_of_2(g)),
+                      BLOCK_C=max(16, min(64, triton.next_power_of_2(2 * d))))
+    return (n, triton.cdiv(pages, block_pages)), args, constexprs, dict(num_warps=8)
+
+
+def _check_page_scores(query, meta, bias, subpages):
+    if query.dim() != 3 or meta.dim() != 3 or bias.dim() != 2:
+        raise ValueError(f"page_scores: query [n, G, D], meta [n, 2D, E], bias [n, E]; got {tuple(query.shape)}, "
+                         f"{tuple(meta.shape)}, {tuple(bias.shape)}")
+    n, _, d = query.shape
+    if meta.shape[0] != n or meta.shape[1] != 2 * d or tuple(bias.shape) != (n, meta.shape[2]):
+        raise ValueError(f"page_scores: shapes do not match: query {tuple(query.shape)}, meta {tuple(meta.shape)}, "
+                         f"bias {tuple(bias.shape)}")
+    if subpages < 1 or meta.shape[2] % subpages:
+        raise ValueError(f"page_scores: subpages ({subpages}) must divide the entries ({meta.shape[2]})")
+    for name, t in (("query", query), ("meta", meta), ("bias", bias)):
+        if t.dtype not in _FLOATS:
+            raise TypeError(f"page_scores: {name} must be fp32, fp16 or bf16, got {t.dtype}")
+
+
+@torch.library.custom_op("flexicache::page_scores", mutates_args=())
+def page_scores(query: torch.Tensor, meta: torch.Tensor, bias: torch.Tensor, subpages: int) -> torch.Tensor:
+    """The Quest bound of each page (Triton); see `torch_backend.page_scores`. `[n, G, D]`, `[n, 2D, E]`, `[n, E]` ->
+    `[n, E / S]` fp32."""
+    _check_page_scores(query, meta, bias, subpages)
+    _check_device(query, meta, bias)
+    n, pages = query.shape[0], meta.shape[2] // subpages
+    out = torch.empty(n, pages, device=query.device, dtype=torch.float32)
+    if n == 0 or pages == 0:
+        return out
+    grid, args, constexprs, options = _page_scores_launch(query, meta, bias, subpages, out)
+    _page_scores_kernel[grid](**args, **constexprs, **options)
+    return out
+
+
+@page_scores.register_fake
+def _page_scores_fake(query, meta, bias, subpages):
+    _check_page_scores(query, meta, bias, subpages)
+    return query.new_empty((query.shape[0], meta.shape[2] // subpages), dtype=torch.float32)
+
+
+# --------------------------------------------------------------------------------------------------
+# Decode attention
+# --------------------------------------------------------------------------------------------------
+
+@triton.jit
+def _attention_kernel(
+    q_ptr, k_ptr, v_ptr, b_ptr, out_ptr, part_o_ptr, part_lse_ptr,
+    G, D, DV, M, tokens_per_split,
+    scaling, softcap,
+    stride_qn, stride_qg, stride_qd,
+    stride_kn, stride_km, stride_kd,
+    stride_vn, stride_vm, stride_vd,
+    stride_bn, stride_bg, stride_bm,
+    stride_on, stride_og, stride_od,
+    stride_pn, stride_ps, stride_pg, stride_pd,
+    stride_ln, stride_ls, stride_lg,
+    BLOCK_G: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    SPLIT: tl.constexpr,
+    QK_FP32: tl.constexpr,
+    PV_FP32: tl.constexpr,
+):
+    """One program: one row's G query heads (the rows of each `tl.dot`) over one split of its M tokens, BLOCK_N tokens
+    an iteration, online softmax in the log2 domain. SPLIT: write the split's normalised output and log2-sum-exp for
+    `_combine_kernel`; else the output itself."""
+    row = tl.program_id(0)
+    split = tl.program_id(1)
+
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    offs_n = tl.arange(0, BLOCK_N)
+    g_ok = offs_g < G
+    d_ok = offs_d < D
+    dv_ok = offs_dv < DV
+
+    q = tl.load(q_ptr + row * stride_qn + offs_g[:, None] * stride_qg + offs_d[None, :] * stride_qd,
+                mask=g_ok[:, None] & d_ok[None, :], other=0.0)
+    q = q.to(k_ptr.dtype.element_ty)  # the backend's query.to(keys.dtype)
+
+    m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_DV], dtype=tl.float32)
+
+    start = split * tokens_per_split
+    end = tl.minimum(start + tokens_per_split, M)
+    for t0 in range(start, end, BLOCK_N):
+        tok = t0 + offs_n
+        ok = tok < end
+        k = tl.load(k_ptr + row * stride_kn + tok[:, None] * stride_km + offs_d[None, :] * stride_kd,
+                    mask=ok[:, None] & d_ok[None, :], other=0.0)
+        if QK_FP32:  # fp32 keys, or bf16 ones under the interpreter (see `_attention_launches`): the same products
+            s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = s * scaling
+        if HAS_SOFTCAP:
+            # tanh(x) = sign(x) (1 - e) / (1 + e), e = exp(-2|x|): no overflow, exactly +-1 far out.
+            x = s / softcap
+            e = tl.exp(-2.0 * tl.abs(x))
+            t = (1.0 - e) / (1.0 + e)
+            s = tl.where(x < 0.0, -t, t) * softcap
+        b = tl.load(b_ptr + row * stride_bn + offs_g[:, None] * stride_bg + tok[None, :] * stride_bm,
+                    mask=g_ok[:, None] & ok[None, :], other=0.0).to(tl.float32)
+        s = tl.where(ok[None, :], (s + b) * 1.4426950408889634, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        # While a head has seen only masked tokens its max is -inf: shift by 0 so exp2 gives 0, not NaN.
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s - m_use[:, None])
+        alpha = tl.math.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_ptr + row * stride_vn + tok[:, None] * stride_vm + offs_dv[None, :] * stride_vd,
+                    mask=ok[:, None] & dv_ok[None, :], other=0.0)
+        if PV_FP32:
+            pv = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+
+    if SPLIT:
+        o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+        # A split with no attendable token weighs 0; a NaN (a +inf bias) stays NaN for the combine to propagate.
+        lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.math.log2(l_i))
+        tl.store(part_o_ptr + row * stride_pn + split * stride_ps + offs_g[:, None] * stride_pg
+                 + offs_dv[None, :] * stride_pd, o, mask=g_ok[:, None] & dv_ok[None, :])
+        tl.store(part_lse_ptr + row * stride_ln + split * stride_ls + offs_g * stride_lg, lse, mask=g_ok)
+    else:
+        o = acc / l_i[:, None]  # 0 / 0 = NaN for a fully masked head, as torch.softmax in the backend
+        tl.store(out_ptr + row * stride_on + offs_g[:, None] * stride_og + offs_dv[None, :] * stride_od,
+                 o.to(out_ptr.dtype.element_ty), mask=g_ok[:, None] & dv_ok[None, :])
+
+
+@triton.jit
+def _combine_kernel(
+    part_o_ptr, part_lse_ptr, out_ptr,
+    SPLITS, DV,
+    stride_pn, stride_ps, stride_pg, stride_pd,
+    stride_ln, stride_ls, stride_lg,
+    stride_on, stride_og, stride_od,
+    BLOCK_S: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+):
+    """One program: one (row, query head); the splits' outputs weighted by their share of the softmax."""
+    row = tl.program_id(0)
+    g = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    s_ok = offs_s < SPLITS
+    dv_ok = offs_dv < DV
+    lse = tl.load(part_lse_ptr + row * stride_ln + offs_s * stride_ls + g * stride_lg, mask=s_ok,
+                  other=float("-inf"))
+    has_nan = tl.max((lse != lse).to(tl.int32), axis=0) > 0
+    lse = tl.where(lse != lse, float("-inf"), lse)
+    mx = tl.max(lse, axis=0)
+    w = tl.math.exp2(lse - tl.where(mx == float("-inf"), 0.0, mx))  # 0 for a split with no attendable token
+    o = tl.load(part_o_ptr + row * stride_pn + offs_s[:, None] * stride_ps + g * stride_pg
+                + offs_dv[None, :] * stride_pd, mask=s_ok[:, None] & dv_ok[None, :], other=0.0)
+    den = tl.sum(w, axis=0)
+    res = tl.sum(w[:, None] * o, axis=0) / tl.where(den > 0.0, den, 1.0)
+    res = tl.where(has_nan | (den == 0.0), float("nan"), res)  # all masked or +inf bias: NaN, as the backend
+    tl.store(out_ptr + row * stride_on + g * stride_og + offs_dv * stride_od, res.to(out_ptr.dtype.element_ty),
+             mask=dv_ok)
+
+
+_MAX_SPLITS = 64
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _attention_blocks(channels: int, fp32: bool) -> tuple[int, int]:
+    """`(BLOCK_N, num_warps)` of `_attention_kernel` for the larger of D and Dv and fp32 keys or values.
+
+    Chosen from the sm_90 build (Triton 3.9, `ptxas -v`; no GPU run, so no timing behind them) as the largest token
+    block that does not spill registers: 16-bit, up to 128 channels: 64 tokens over 8 warps (about 200 registers; over
+    4 warps 248), 256 channels: 32 over 8 (about 215); fp32 (its "ieee" dots take far more registers and shared
+    memory): 32 over 8 (about 90; 32 over 4 spilled 900 bytes), 256 channels: 16 over 4 (about 150)."""
+    if fp32:
+        return (32, 8) if channels <= 128 else (16, 4)
+    return (64, 8) if channels <= 128 else (32, 8)
+
+
+def _dot_fp32(dtype: torch.dtype) -> bool:
+    """Whether `_attention_kernel` takes a `tl.dot` over operands of `dtype` in fp32 ("ieee": never TF32): for fp32,
+    and for bf16 under the interpreter, whose `tl.dot` of bf16 operands gives garbage (Triton 3.9: it multiplies their
+    raw bits; fp16 is right). The operands are rounded to `dtype` first, so the products are those of the 16-bit dot."""
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and interpreted())
+
+
+def _attention_launches(query, keys, values, bias, scaling, softcap, out, target=None):
+    """`[(kernel, grid, args, constexprs, options)]` of one attention call: `_attention_kernel`, then `_combine_kernel`
+    when the tokens are split (host numbers of the shapes only; the split buffers are allocated here).
+
+    BLOCK_N tokens an iteration, the group padded to 16 rows (`tl.dot`'s minimum). Splits: enough programs for about
+    `target` (two per SM on CUDA; 4 elsewhere, so that small interpreter tests exercise the combine), at most one per
+    BLOCK_N tokens and `_MAX_SPLITS`. `_attention_blocks` gives BLOCK_N and the warps.
+    """
+    n, g, d = query.shape
+    m, dv = keys.shape[1], values.shape[2]
+    block_n, warps = _attention_blocks(max(d, dv), torch.float32 in (keys.dtype, values.dtype))
+    blocks = max(1, triton.cdiv(m, block_n))
+    if target is None:
+        device = query.device
+        target = 2 * _sm_count(device.index if device.index is not None else torch.cuda.current_device()) \
+            if device.type == "cuda" else 4
+    splits = max(1, min(blocks, triton.cdiv(target, max(n, 1)), _MAX_SPLITS))
+    tokens_per_split = triton.cdiv(blocks, splits) * block_n
+    splits = max(1, triton.cdiv(m, tokens_per_split))  # no empty trailing split
+    if splits > 1:
+        part_o = torch.empty(n, splits, g, dv, device=values.device, dtype=torch.float32)
+        part_lse = torch.empty(n, splits, g, device=values.device, dtype=torch.float32)
+    else:  # never touched: SPLIT is off
+        part_o, part_lse = out.view(n, 1, g, dv), out[:, None, :, 0]
+    b_strides = (bias.stride(0), 0, bias.stride(1)) if bias.dim() == 2 else bias.stride()
+    block_dv = max(16, triton.next_power_of_2(dv))
+    parts = {**_strides("p", "nsgd", part_o.stride()), **_strides("l", "nsg", part_lse.stride())}
+    args = dict(q_ptr=query, k_ptr=keys, v_ptr=values, b_ptr=bias, out_ptr=out, part_o_ptr=part_o,
+                part_lse_ptr=part_lse, G=g, D=d, DV=dv, M=m, tokens_per_split=tokens_per_split,
+                scaling=float(scaling), softcap=float(softcap) if softcap is not None else 1.0,
+                **_strides("q", "ngd", query.stride()), **_strides("k", "nmd", keys.stride()),
+                **_strides("v", "nmd", values.stride()), **_strides("b", "ngm", b_strides),
+                **_strides("o", "ngd", out.stride()), **parts)
+    constexprs = dict(BLOCK_G=max(16, triton.next_power_of_2(g)), BLOCK_D=max(16, triton.next_power_of_2(d)),
+                      BLOCK_DV=block_dv, BLOCK_N=block_n, HAS_SOFTCAP=softcap is not None, SPLIT=splits > 1,
+                      QK_FP32=_dot_fp32(keys.dtype), PV_FP32=_dot_fp32(values.dtype))
+    launches = [(_attention_kernel, (n, splits), args, constexprs, dict(num_warps=warps))]
+    if splits > 1:
+        launches.append((_combine_kernel, (n, g),
+                         dict(part_o_ptr=part_o, part_lse_ptr=part_lse, out_ptr=out, SPLITS=splits, DV=dv, **parts,
+                              **_strides("o", "ngd", out.stride())),
+                         dict(BLOCK_S=max(2, triton.next_power_of_2(splits)), BLOCK_DV=block_dv),
+                         dict(num_warps=4)))
+    return launches
+
+
+def _check_attention(query, keys, values, bias):
+    if query.dim() != 3 or keys.dim() != 3 or values.dim() != 3 or bias.dim() not in (2, 3):
+        raise ValueError(f"attention: query [n, G, D], keys [n, M, D], values [n, M, Dv], bias [n, M] or [n, G, M]; "
+                         f"got {tuple(query.shape)}, {tuple(keys.shape)}, {tuple(values.shape)}, {tuple(bias.shape)}")
+    n, g, d = query.shape
+    m = keys.shape[1]
+    expected_bias = (n, m) if bias.dim() == 2 else (n, g, m)
+    if (keys.shape[0] != n or keys.shape[2] != d or tuple(values.shape[:2]) != (n, m)
+            or tuple(bias.shape) != expected_bias):
+        raise ValueError(f"attention: shapes do not match: query {tuple(query.shape)}, keys {tuple(keys.shape)}, "
+                         f"values {tuple(values.shape)}, bias {tuple(bias.shape)}")
+    for name, t in (("query", query), ("keys", keys), ("values", values), ("bias", bias)):
+        if t.dtype not in _FLOATS:
+            raise TypeError(f"attention: {name} must be fp32, fp16 or bf16, got {t.dtype}")
+
+
+def _check_device(*tensors):
+    first = tensors[0].device
+    if any(t.device != first for t in tensors):
+        raise ValueError(f"the Triton kernels need every input on one device, got {[str(t.device) for t in tensors]}")
+    if first.type != "cuda" and not interpreted():
+        raise RuntimeError(f"the Triton backend runs on CUDA tensors (or on the CPU under TRITON_INTERPRET=1, set "
+                           f"before triton is first imported), got {first}; use FLEXICACHE_BACKEND=torch")
+
+
+def interpreted() -> bool:
+    """Whether this module's kernels run under Triton's interpreter (TRITON_INTERPRET=1 when they were defined)."""
+    return not isinstance(_attention_kernel, triton.runtime.JITFunction)
+
+
+@torch.library.custom_op("flexicache::attention", mutates_args=())
+def attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor, scaling: float,
+              softcap: Optional[float] = None) -> torch.Tensor:
+    """Decode attention over gathered tokens (Triton); see `torch_backend.attention`. `[n, G, D]`, `[n, M, D]`,
+    `[n, M, Dv]`, `[n, M]` or `[n, G, M]` -> `[n, G, Dv]` in the values' dtype."""
+    _check_attention(query, keys, values, bias)
+    _check_device(query, keys, values, bias)
+    n, g, d = query.shape
+    m, dv = keys.shape[1], values.shape[2]
+    if n == 0 or g == 0 or m == 0:
+        return torch.zeros(n, g, dv, device=values.device, dtype=values.dtype)
+    out = torch.empty(n, g, dv, device=values.device, dtype=values.dtype)
+    for kernel, grid, args, constexprs, opts in _attention_launches(query, keys, values, bias, scaling, softcap, out):
+        kernel[grid](**args, **constexprs, **opts)
+    return out
+
+
+@attention.register_fake
+def _attention_fake(query, keys, values, bias, scaling, softcap=None):
+    _check_attention(query, keys, values, bias)
+    return values.new_empty((query.shape[0], query.shape[1], values.shape[2]))
+
+
+__all__ = ["attention", "page_scores"]

@@ -1,0 +1,521 @@
+"""The Triton kernels of the decode step (`kernels/triton_ops.py`, custom ops `flexicache::page_scores` and
+`flexicache::attention`) against the PyTorch backend and the brute-force oracles (issue 49).
+
+Without CUDA the kernels run on CPU tensors under Triton's interpreter. The interpreter has to be on when `triton`
+itself is first imported (its `tl.max`/`tl.sum` helpers are decorated then), so this module sets TRITON_INTERPRET=1
+before it imports triton and `triton_ops` (at collection, before any test has run) and leaves it set (see
+`_import_ops`). When something in this process imported triton without it first, the kernel cases skip here and
+`test_interpreter_cases_in_fresh_process` runs this file again in a fresh process with the interpreter on. With CUDA the
+same cases run compiled on the GPU. `test_kernels_compile_for_sm90` builds the kernels for Hopper without a GPU (the
+interpreter does not check what only the compiler rejects, and runs bf16 dots in fp32: see `triton_ops._dot_fp32`),
+in a process without the interpreter.
+
+Covered: random shapes with GQA groups (G = 1 to 8, padded to 16 rows inside), head dims that are not powers of two,
+sub-pages S = 1 to 4 (3: a padded page), more pages than one program's block, non-contiguous inputs, -inf and +inf
+biases, a bias per query head `[n, G, M]`, softcap, token splits (the combine kernel) and single-pass launches, rows
+and splits with no attendable token, fp32 / bf16 / fp16; the fake implementations (FakeTensorMode, meta tensors,
+`torch.library.opcheck`); a compiled function (`fullgraph=True`, aot_eager) keeps each op as one node; dispatch routes
+to the ops only on the Triton backend; FlexiCache imports and decodes without triton.
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from fc_hf.kernels import bruteforce, dispatch, torch_backend
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+_CHILD_ENV = "FLEXICACHE_TRITON_OPS_CHILD"
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _import_ops():
+    """`(triton, triton_ops)`; `(None, None)` without triton. On a CPU, when nothing imported triton yet, it is imported
+    under the interpreter, and TRITON_INTERPRET=1 stays set for the process: triton reads it again whenever it imports
+    more of itself (at a launch), and asserts that it agrees with how `triton.language` was decorated."""
+    if not CUDA and "triton" not in sys.modules:
+        os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        import triton
+
+        from fc_hf.kernels import triton_ops
+    except ImportError:
+        return None, None
+    return triton, triton_ops
+
+
+triton, ops = _import_ops()
+# Kernels run here when both triton's language helpers and our kernels are interpreted (CPU), or neither is (CUDA).
+LANG_INTERPRETED = triton is not None and not isinstance(triton.language.sum, triton.runtime.JITFunction)
+IN_PROCESS = ops is not None and ops.interpreted() == LANG_INTERPRETED and (CUDA or LANG_INTERPRETED)
+kernels_here = pytest.mark.skipif(not IN_PROCESS, reason="triton is missing, or was imported without the "
+                                  "interpreter before this module: see test_interpreter_cases_in_fresh_process")
+
+
+@pytest.fixture
+def triton_ops():
+    pytest.importorskip("triton")
+    return ops
+
+
+@pytest.fixture(autouse=True)
+def nan_filled_allocations(monkeypatch):
+    """Fresh float allocations start as NaN, so an output element a kernel never writes fails the comparisons
+    (NaN is only ever expected where the reference has NaN too)."""
+    original = torch.empty
+
+    def empty(*args, **kwargs):
+        t = original(*args, **kwargs)
+        if t.is_floating_point() and t.device.type != "meta" and not isinstance(t, torch._subclasses.FakeTensor):
+            t.fill_(float("nan"))
+        return t
+
+    monkeypatch.setattr(torch, "empty", empty)
+
+
+@pytest.fixture(autouse=True)
+def quiet_interpreter():
+    """The interpreter runs the kernels in NumPy, which warns at the -inf / NaN the masked cases produce on purpose."""
+    import numpy as np
+
+    with np.errstate(all="ignore"):
+        yield
+
+
+@pytest.mark.skipif(triton is None or IN_PROCESS or CUDA or os.environ.get(_CHILD_ENV) == "1",
+                    reason="the kernel cases run in this process (or triton is missing)")
+def test_interpreter_cases_in_fresh_process():
+    """Run this file where triton is first imported with the interpreter on."""
+    env = dict(os.environ, TRITON_INTERPRET="1", **{_CHILD_ENV: "1"})
+    cmd = [sys.executable, "-m", "pytest", str(Path(__file__).resolve()), "-q", "-p", "no:cacheprovider",
+           "-k", "not fresh_process and not sm90 and not stays_optional"]
+    run = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, f"interpreter run failed:\n{run.stdout[-6000:]}\n{run.stderr[-2000:]}"
+    assert " passed" in run.stdout and " skipped" not in run.stdout, run.stdout[-3000:]
+
+
+# --------------------------------------------------------------------------------------------------
+# Page scores
+# --------------------------------------------------------------------------------------------------
+
+def _score_inputs(n, g, d, pages, s, dtype, layout, seed):
+    """`(query [n, G, D], meta [n, 2D, E], bias [n, E], kmin, kmax [n, E, D])`, E = pages * S. The bias mixes 0,
+    finite offsets, -inf and +inf; row 0's first page has every entry at -inf, its second (S > 1) one +inf entry and
+    one -inf entry. `layout`: "strided" makes meta a slice of a wider tensor and the query a transposed view."""
+    gen = torch.Generator().manual_seed(seed)
+    e = pages * s
+    query = torch.randn(n, g, d, generator=gen).to(dtype)
+    a, b = torch.randn(n, e, d, generator=gen), torch.randn(n, e, d, generator=gen)
+    kmax, kmin = torch.maximum(a, b).to(dtype), torch.minimum(a, b).to(dtype)
+    meta = torch.cat([kmax, kmin], dim=2).transpose(1, 2)  # [n, 2D, E]
+    if layout == "strided":
+        wide = torch.full((n, 2 * d, e + 7), float("nan"), dtype=dtype)  # the columns past E must never be read
+        wide[:, :, :e] = meta
+        meta = wide[:, :, :e]
+        query = query.transpose(1, 2).contiguous().transpose(1, 2)
+    else:
+        meta = meta.contiguous()
+    u = torch.rand(n, e, generator=gen)
+    bias = torch.where(u < 0.6, 0.0, torch.randn(n, e, generator=gen))
+    bias = bias.masked_fill(u > 0.9, float("-inf")).masked_fill((u > 0.85) & (u <= 0.9), float("inf"))
+    bias[0, :s] = float("-inf")
+    bias[-1, -s:] = 0.0  # at least one finite score
+    if s > 1 and pages > 1:
+        bias[0, s], bias[0, s + 1] = float("inf"), float("-inf")
+    return query, meta, bias, kmin, kmax
+
+
+SCORE_CASES = [
+    # n, G, D, pages, S, dtype, layout
+    pytest.param(2, 1, 16, 1, 1, torch.float32, "contiguous", id="n2-G1-D16-P1-S1-fp32"),
+    pytest.param(3, 4, 64, 37, 2, torch.bfloat16, "contiguous", id="n3-G4-D64-P37-S2-bf16"),
+    pytest.param(2, 3, 40, 130, 1, torch.float32, "contiguous", id="n2-G3-D40-P130-S1-fp32-two-blocks"),
+    pytest.param(4, 8, 128, 50, 4, torch.float16, "contiguous", id="n4-G8-D128-P50-S4-fp16"),
+    pytest.param(2, 2, 32, 45, 3, torch.float32, "strided", id="n2-G2-D32-P45-S3-fp32-strided"),
+    pytest.param(5, 7, 24, 20, 2, torch.bfloat16, "strided", id="n5-G7-D24-P20-S2-bf16-strided"),
+]
+
+
+@kernels_here
+@pytest.mark.parametrize("n, g, d, pages, s, dtype, layout", SCORE_CASES)
+def test_page_scores_matches_backend_and_bruteforce(triton_ops, n, g, d, pages, s, dtype, layout):
+    query, meta, bias, kmin, kmax = _score_inputs(n, g, d, pages, s, dtype, layout, seed=n * 100 + d)
+    dev = [t.to(DEVICE) for t in (query, meta, bias)]
+    out = triton_ops.page_scores(*dev, s).cpu()
+    ref = torch_backend.page_scores(query, meta, bias, s)
+    oracle = (bruteforce.score_pages_bruteforce(query, kmin, kmax) + bias).view(n, pages, s).amax(-1)
+    assert out.shape == (n, pages) and out.dtype == torch.float32
+    for expected in (ref, oracle):
+        # Forced and never-attendable pages exactly; the rest to fp32 summation order (the 16-bit entries are
+        # upcast, so their products are exact in every implementation).
+        assert torch.equal(torch.isposinf(out), torch.isposinf(expected))
+        assert torch.equal(torch.isneginf(out), torch.isneginf(expected))
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=2e-6 * d)
+    finite = torch.isfinite(ref)
+    _record("page_scores, Triton vs backend", dtype, (out[finite] - ref[finite]).abs().max().item())
+    _record("page_scores, Triton vs oracle", dtype, (out[finite].double() - oracle[finite].double()).abs().max().item())
+    assert torch.isneginf(out[0, 0]) and (s == 1 or pages == 1 or torch.isposinf(out[0, 1]))
+
+
+@kernels_here
+def test_page_scores_dispatch_matches_backend(triton_ops):
+    """dispatch.page_scores on the Triton backend is the op, with the backend's results."""
+    query, meta, bias, _, _ = _score_inputs(2, 4, 32, 9, 2, torch.float32, "contiguous", seed=5)
+    dev = [t.to(DEVICE) for t in (query, meta, bias)]
+    out = dispatch.page_scores(*dev, 2, backend="triton").cpu()
+    torch.testing.assert_close(out, torch_backend.page_scores(query, meta, bias, 2), rtol=1e-5, atol=1e-4)
+
+
+# --------------------------------------------------------------------------------------------------
+# Decode attention
+# --------------------------------------------------------------------------------------------------
+
+def _attention_inputs(n, g, d, dv, m, dtype, per_query, masks, seed, qdtype=None, q_scale=1.0):
+    """`(query, keys, values, bias)`: ~30% of tokens at -inf. `masks` adds: "row" (row 0 masked everywhere: NaN
+    expected), "head" (one query head of row 0 masked, with a per-query bias), "prefix" (each row's first 70 tokens
+    masked: with splits of 64 tokens the first split of a row has none)."""
+    gen = torch.Generator().manual_seed(seed)
+    query = (torch.randn(n, g, d, generator=gen) * q_scale).to(qdtype or dtype)
+    keys = torch.randn(n, m, d, generator=gen).to(dtype)
+    values = torch.randn(n, m, dv, generator=gen).to(dtype)
+    shape = (n, g, m) if per_query else (n, m)
+    bias = torch.zeros(shape).masked_fill(torch.rand(shape, generator=gen) < 0.3, float("-inf"))
+    bias[..., -1] = 0.0  # the step's own token
+    if "row" in masks:
+        bias[0] = float("-inf")
+    if "head" in masks:
+        bias[0, g - 1] = float("-inf")
+    if "prefix" in masks:
+        bias[..., :70] = float("-inf")
+    return query, keys, values, bias
+
+
+ATTENTION_CASES = [
+    # n, G, D, Dv, M, dtype, per-query bias, softcap, masks, split on the interpreter (4 programs)
+    pytest.param(1, 1, 16, 16, 5, torch.float32, False, None, (), False, id="n1-G1-D16-M5-fp32"),
+    pytest.param(1, 4, 64, 64, 200, torch.float32, False, None, ("prefix",), True, id="n1-G4-D64-M200-fp32-prefix"),
+    pytest.param(2, 3, 40, 24, 300, torch.bfloat16, True, None, ("head",), True, id="n2-G3-D40-Dv24-M300-bf16-perq"),
+    pytest.param(6, 8, 128, 128, 96, torch.float16, False, None, ("row",), False, id="n6-G8-D128-M96-fp16-row"),
+    pytest.param(3, 2, 32, 32, 130, torch.float32, False, 5.0, ("row",), True, id="n3-G2-D32-M130-fp32-softcap"),
+    pytest.param(2, 4, 64, 64, 150, torch.bfloat16, True, 30.0, (), True, id="n2-G4-D64-M150-bf16-softcap-perq"),
+    pytest.param(2, 2, 256, 256, 70, torch.bfloat16, False, None, ("row",), True, id="n2-G2-D256-M70-bf16-row"),
+    pytest.param(1, 2, 256, 192, 40, torch.float32, False, None, (), True, id="n1-G2-D256-Dv192-M40-fp32"),
+]
+# Error against float64 that both implementations must stay within (max abs over finite outputs, |out| <~ 1).
+TOL = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
+MAX_ERR: dict = {}  # largest errors seen, per check and dtype (printed with -s)
+
+
+def _record(what, dtype, err):
+    MAX_ERR[what, dtype] = max(MAX_ERR.get((what, dtype), 0.0), err)
+
+
+def _finite_err(actual, expected):
+    ok = ~torch.isnan(expected)
+    return (actual.double()[ok] - expected.double()[ok]).abs().max().item() if ok.any() else 0.0
+
+
+@kernels_here
+@pytest.mark.parametrize("n, g, d, dv, m, dtype, per_query, softcap, masks, split", ATTENTION_CASES)
+def test_attention_matches_backend_and_bruteforce(triton_ops, n, g, d, dv, m, dtype, per_query, softcap, masks,
+                                                  split):
+    q_scale = 4.0 if softcap else 1.0  # logits beyond the cap, so tanh saturates
+    query, keys, values, bias = _attention_inputs(n, g, d, dv, m, dtype, per_query, masks, seed=m + d, q_scale=q_scale)
+    scaling = d ** -0.5
+    if not CUDA:  # the case's split is what the test means to cover
+        out_buf = torch.empty(n, g, dv, dtype=dtype)
+        launches = triton_ops._attention_launches(query, keys, values, bias, scaling, softcap, out_buf)
+        assert (len(launches) == 2) == split
+    out = triton_ops.attention(*(t.to(DEVICE) for t in (query, keys, values, bias)), scaling, softcap).cpu()
+    ref = torch_backend.attention(query, keys, values, bias, scaling, softcap)
+    exact = torch_backend.attention(query.double(), keys.double(), values.double(), bias.double(), scaling, softcap)
+    assert out.shape == (n, g, dv) and out.dtype == dtype
+
+    # NaN exactly where the backend has it: query heads with no attendable token.
+    assert torch.equal(torch.isnan(out), torch.isnan(ref)) and torch.equal(torch.isnan(ref), torch.isnan(exact))
+    if "row" in masks:
+        assert torch.isnan(out[0]).all()
+    if "head" in masks:
+        assert torch.isnan(out[0, g - 1]).all() and not torch.isnan(out[0, : g - 1]).any()
+    assert not torch.isinf(out).any() and not torch.isnan(ref).all()
+
+    err, err_ref = _finite_err(out, exact), _finite_err(ref, exact)
+    _record("attention, Triton vs float64", dtype, err)
+    _record("attention, backend vs float64", dtype, err_ref)
+    assert err <= TOL[dtype], f"Triton vs float64: {err:.2e} (backend {err_ref:.2e})"
+    # No worse than the backend, give or take one rounding of the output (its dtype's epsilon at its largest value).
+    ulp = torch.finfo(dtype).eps * exact.nan_to_num().abs().max().item()
+    assert err <= 2 * err_ref + ulp, f"Triton {err:.2e} is worse than the backend {err_ref:.2e} (ulp {ulp:.1e})"
+    assert _finite_err(out, ref) <= 2 * TOL[dtype]
+
+    if not per_query and softcap is None:  # the literal oracle: a boolean mask, float64, fully masked rows -> 0
+        allowed = torch.isfinite(bias)
+        oracle = bruteforce.dense_attention_bruteforce(query.float(), keys.float(), values.float(), allowed, scaling)
+        live = allowed.any(-1)
+        assert _finite_err(out[live], oracle[live]) <= TOL[dtype]
+
+
+@kernels_here
+def test_attention_positive_infinite_bias_is_nan_as_backend(triton_ops):
+    """+inf is outside the attention bias's contract (0 or -inf); the op answers as the backend does: NaN for the
+    heads that see it, in the single-pass kernel and through the combine of splits."""
+    for n, m in ((1, 200), (8, 40)):  # split over 4 programs, then single-pass
+        query, keys, values, bias = _attention_inputs(n, 2, 32, 32, m, torch.float32, True, (), seed=m)
+        bias[0, 1, m // 2] = float("inf")
+        out = triton_ops.attention(*(t.to(DEVICE) for t in (query, keys, values, bias)), 0.2, None).cpu()
+        ref = torch_backend.attention(query, keys, values, bias, 0.2)
+        assert torch.isnan(out[0, 1]).all() and torch.equal(torch.isnan(out), torch.isnan(ref))
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5, equal_nan=True)
+
+
+@kernels_here
+def test_attention_mixed_dtypes_and_strides(triton_ops):
+    """A fp32 query over bf16 keys (cast to the keys' dtype first, as the backend does), non-contiguous keys/values
+    (a window slice), the output in the values' dtype."""
+    n, g, d, m = 2, 4, 64, 100
+    query, keys, values, bias = _attention_inputs(n, g, d, d, m, torch.bfloat16, False, (), seed=3,
+                                                  qdtype=torch.float32)
+    wide_k = torch.randn(n, m + 20, d).to(torch.bfloat16)
+    wide_k[:, 10 : 10 + m] = keys
+    keys = wide_k[:, 10 : 10 + m]
+    values = values.transpose(1, 2).contiguous().transpose(1, 2)
+    out = triton_ops.attention(*(t.to(DEVICE) for t in (query, keys, values, bias)), d ** -0.5, None).cpu()
+    ref = torch_backend.attention(query, keys, values, bias, d ** -0.5)
+    assert out.dtype == torch.bfloat16
+    assert _finite_err(out, ref) <= TOL[torch.bfloat16]
+
+
+@pytest.mark.parametrize("what", ["attention-no-tokens", "attention-no-rows", "scores-no-entries"])
+@kernels_here
+def test_empty_inputs_match_backend(triton_ops, what):
+    """No kernel launches: no tokens gives zeros (the backend's empty matmul), no rows or entries an empty output."""
+    if what == "scores-no-entries":
+        out = triton_ops.page_scores(*(t.to(DEVICE) for t in (torch.randn(2, 3, 8), torch.randn(2, 16, 0),
+                                                              torch.zeros(2, 0))), 2)
+        assert out.shape == (2, 0) and out.dtype == torch.float32
+        return
+    n, m = (2, 0) if what == "attention-no-tokens" else (0, 5)
+    args = (torch.randn(n, 3, 8), torch.randn(n, m, 8), torch.randn(n, m, 4), torch.zeros(n, m))
+    out = triton_ops.attention(*(t.to(DEVICE) for t in args), 0.5, None).cpu()
+    torch.testing.assert_close(out, torch_backend.attention(*args, 0.5))
+
+
+# --------------------------------------------------------------------------------------------------
+# Custom ops: fake implementations, opcheck, torch.compile, dispatch
+# --------------------------------------------------------------------------------------------------
+
+def test_fake_implementations_give_shapes_and_dtypes(triton_ops):
+    """Under FakeTensorMode (and on meta tensors) the ops give their output's shape, dtype and device without running
+    a kernel; inputs that break the contract are refused at trace time."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        q = torch.empty(6, 4, 64, dtype=torch.bfloat16)
+        scores = torch.ops.flexicache.page_scores(q, torch.empty(6, 128, 40, dtype=torch.bfloat16), torch.empty(6, 40),
+                                                  4)
+        assert scores.shape == (6, 10) and scores.dtype == torch.float32 and scores.device == q.device
+        keys, values = torch.empty(6, 96, 64, dtype=torch.bfloat16), torch.empty(6, 96, 48, dtype=torch.bfloat16)
+        for bias in (torch.empty(6, 96), torch.empty(6, 4, 96)):
+            out = torch.ops.flexicache.attention(q, keys, values, bias, 0.125, 50.0)
+            assert out.shape == (6, 4, 48) and out.dtype == torch.bfloat16
+        with pytest.raises(ValueError, match="page_scores"):
+            torch.ops.flexicache.page_scores(q, torch.empty(6, 128, 40), torch.empty(6, 40), 3)
+        with pytest.raises(ValueError, match="attention"):
+            torch.ops.flexicache.attention(q, keys, values, torch.empty(6, 95), 0.125)
+    meta = torch.ops.flexicache.attention(*(torch.empty(s, device="meta") for s in ((2, 3, 8), (2, 5, 8), (2, 5, 4),
+                                                                                      (2, 3, 5))), 1.0)
+    assert meta.shape == (2, 3, 4) and meta.device.type == "meta"
+
+
+@kernels_here
+def test_opcheck(triton_ops):
+    """torch.library.opcheck: schema, fake tensor agreement with the real kernel, AOT dispatch (dynamic shapes)."""
+    query, meta, bias, _, _ = _score_inputs(2, 3, 16, 5, 2, torch.float32, "contiguous", seed=1)
+    bias = bias.clamp(-10.0, 10.0)  # opcheck compares outputs of repeated runs: keep them finite
+    torch.library.opcheck(torch.ops.flexicache.page_scores.default,
+                          tuple(t.to(DEVICE) for t in (query, meta, bias)) + (2,))
+    query, keys, values, bias = _attention_inputs(2, 3, 16, 8, 20, torch.float32, True, (), seed=2)
+    dev = tuple(t.to(DEVICE) for t in (query, keys, values, bias))
+    torch.library.opcheck(torch.ops.flexicache.attention.default, dev + (0.25, 5.0))
+    torch.library.opcheck(torch.ops.flexicache.attention.default, dev[:3] + (dev[3][:, 0],) + (0.25,))
+
+
+@kernels_here
+def test_compiled_step_keeps_each_op_as_one_node(triton_ops):
+    """`torch.compile(fullgraph=True, backend="aot_eager")` of a function calling dispatch on the Triton backend: one
+    graph, no break, each op one node of the Dynamo graph and of the AOT (ATen) graph, eager's results."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    def step(query, meta, page_bias, keys, values, bias):
+        scores = dispatch.page_scores(query, meta, page_bias, 2, backend="triton")
+        out = dispatch.attention(query * 2, keys, values, bias, 0.25, None, backend="triton")
+        return scores.amax(-1), out + 1
+
+    query, meta, page_bias, _, _ = _score_inputs(2, 4, 32, 6, 2, torch.float32, "contiguous", seed=7)
+    _, keys, values, bias = _attention_inputs(2, 4, 32, 16, 30, torch.float32, False, (), seed=8)
+    args = tuple(t.to(DEVICE) for t in (query, meta, page_bias, keys, values, bias))
+    eager = step(*args)
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(step, fullgraph=True, backend=counter)(*args)
+    assert counter.frame_count == 1
+    targets = [str(node.target) for node in counter.graphs[0].graph.nodes if node.op == "call_function"]
+    assert targets.count("flexicache.page_scores.default") == 1 and targets.count("flexicache.attention.default") == 1
+
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(step, fullgraph=True, backend=aot_autograd(fw_compiler=capture))(*args)
+    aten = [node.target for node in graphs[0].graph.nodes if node.op == "call_function"]
+    assert aten.count(torch.ops.flexicache.page_scores.default) == 1
+    assert aten.count(torch.ops.flexicache.attention.default) == 1
+    for got, want in zip(compiled, eager):
+        torch.testing.assert_close(got, want)
+
+
+def test_dispatch_routes_to_the_ops_only_on_the_triton_backend(triton_ops, monkeypatch):
+    """backend="triton", or FLEXICACHE_BACKEND=triton, calls the ops; "torch" and a CPU tensor by default call the
+    PyTorch backend (checked with spies, so no kernel runs)."""
+    calls = []
+    monkeypatch.setattr(triton_ops, "page_scores", lambda *a: calls.append("page_scores") or "op")
+    monkeypatch.setattr(triton_ops, "attention", lambda *a: calls.append("attention") or "op")
+    query, meta, bias, _, _ = _score_inputs(1, 2, 8, 3, 1, torch.float32, "contiguous", seed=0)
+    _, keys, values, tok = _attention_inputs(1, 2, 8, 8, 4, torch.float32, False, (), seed=0)
+
+    assert dispatch.page_scores(query, meta, bias, 1, backend="triton") == "op"
+    assert dispatch.attention(query, keys, values, tok, 1.0, backend="triton") == "op"
+    assert isinstance(dispatch.page_scores(query, meta, bias, 1, backend="torch"), torch.Tensor)
+    assert isinstance(dispatch.attention(query, keys, values, tok, 1.0), torch.Tensor)  # auto on a CPU tensor: torch
+    assert calls == ["page_scores", "attention"]
+    monkeypatch.setenv("FLEXICACHE_BACKEND", "triton")
+    assert dispatch.attention(query, keys, values, tok, 1.0) == "op"
+    assert dispatch.page_scores(query, meta, bias, 1, backend="torch") is not None and calls[-1] == "attention"
+
+
+def test_triton_stays_optional():
+    """The kernels' dispatch runs the PyTorch backend on a CPU without importing triton (torch and transformers may
+    import it themselves: torch._dynamo probes for it), and FlexiCache's core imports and runs without triton installed
+    (its import blocked): dispatch answers "torch", and forcing "triton" says what is missing."""
+    script = textwrap.dedent("""
+        import sys
+        import torch
+        from fc_hf.kernels import dispatch
+        q, k, v, b = torch.randn(2, 3, 8), torch.randn(2, 5, 8), torch.randn(2, 5, 8), torch.zeros(2, 5)
+        dispatch.attention(q, k, v, b, 1.0)
+        dispatch.page_scores(q, torch.randn(2, 16, 4), torch.zeros(2, 4), 2)
+        assert "triton" not in sys.modules and "fc_hf.kernels.triton_ops" not in sys.modules, "triton imported"
+
+        sys.modules["triton"] = None  # from here on, as if triton were not installed
+        import fc_hf, fc_hf.cache, fc_hf.decode, fc_hf.selection
+        assert not dispatch._triton_available() and dispatch.backend_for(q) == "torch"
+        assert dispatch.attention(q, k, v, b, 1.0).shape == (2, 3, 8)
+        try:
+            dispatch.attention(q, k, v, b, 1.0, backend="triton")
+        except ImportError as e:
+            assert "triton" in str(e)
+        else:
+            raise AssertionError("forcing triton without it did not fail")
+        print("ok")
+    """)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", script], cwd=ROOT / "tests", env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stdout[-2000:] + run.stderr[-3000:]
+
+
+# --------------------------------------------------------------------------------------------------
+# The sm_90 build (no GPU needed)
+# --------------------------------------------------------------------------------------------------
+
+_SM90_SCRIPT = """
+import re, subprocess, sys, tempfile
+from pathlib import Path
+import torch, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from fc_hf.kernels import triton_ops as ops
+
+TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+
+def ptxas():
+    try:
+        from triton.backends.nvidia.compiler import get_ptxas
+        try:
+            found = get_ptxas(90)
+        except TypeError:
+            found = get_ptxas()
+        return getattr(found, "path", None) or found[0]
+    except Exception:
+        return None
+
+def build(kernel, args, constexprs, options, label):
+    signature, constants = {}, dict(constexprs)
+    for name, value in args.items():
+        if isinstance(value, torch.Tensor):
+            signature[name] = "*" + TYPES[value.dtype]
+        elif isinstance(value, int) and value == 1:  # as a launch specialises it
+            signature[name], constants[name] = "constexpr", 1
+        else:
+            signature[name] = "i32" if isinstance(value, int) else "fp32"
+    signature.update({name: "constexpr" for name in constexprs})
+    compiled = triton.compile(ASTSource(kernel, signature, constants), target=GPUTarget("cuda", 90, 32),
+                              options=options)
+    assert ".target sm_90" in compiled.asm["ptx"], label
+    tool = ptxas()
+    if tool is None:
+        print(label, "built (no ptxas to read its resources)")
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "k.ptx").write_text(compiled.asm["ptx"])
+        run = subprocess.run([tool, "-v", "--gpu-name=sm_90a", str(Path(tmp) / "k.ptx"), "-o", str(Path(tmp) / "k.o")],
+                             capture_output=True, text=True)
+    spills = re.search(r"(\\d+) bytes spill stores, (\\d+) bytes spill loads", run.stderr)
+    regs = re.search(r"Used (\\d+) registers", run.stderr)
+    print(label, "registers", regs and regs.group(1), "spills", spills and spills.groups())
+    if spills and "16-bit" in label:
+        assert spills.groups() == ("0", "0"), f"{label} spills: {run.stderr}"
+
+for dt in (torch.bfloat16, torch.float32):
+    bits = "16-bit" if dt != torch.float32 else "fp32"
+    q, meta = torch.empty(16, 4, 128, dtype=dt), torch.empty(16, 256, 1024, dtype=dt)
+    _, a, c, o = ops._page_scores_launch(q, meta, torch.empty(16, 1024), 2, torch.empty(16, 512))
+    build(ops._page_scores_kernel, a, c, o, f"page_scores {bits}")
+    k, v = torch.empty(16, 1024, 128, dtype=dt), torch.empty(16, 1024, 128, dtype=dt)
+    for bias, cap in ((torch.empty(16, 1024), None), (torch.empty(16, 4, 1024), 50.0)):
+        for kernel, _, a, c, o in ops._attention_launches(q, k, v, bias, 0.1, cap, torch.empty(16, 4, 128, dtype=dt),
+                                                          target=264):
+            build(kernel, a, c, o, f"{kernel.__name__} {bits} softcap={cap}")
+print("built")
+"""
+
+
+@pytest.mark.skipif(triton is None or CUDA, reason="needs triton; with CUDA the kernel cases compile them anyway")
+def test_kernels_compile_for_sm90():
+    """Build every kernel variant the launchers make (16-bit and fp32, bias per row and per query head, softcap, the
+    split and its combine) for sm_90 with Triton's compiler, in a process without the interpreter; the 16-bit ones must
+    not spill registers (ptxas -v, where Triton ships ptxas)."""
+    pytest.importorskip("triton.backends.nvidia")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9 warns when it is unset
+    run = subprocess.run([sys.executable, "-c", _SM90_SCRIPT], cwd=ROOT / "tests", env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0 and "built" in run.stdout, run.stdout[-3000:] + run.stderr[-3000:]
+
+
+def teardown_module():
+    if MAX_ERR:
+        print("\nlargest absolute errors:")
+        for (what, dtype), err in sorted(MAX_ERR.items(), key=str):
+            print(f"  {what:34s} {str(dtype).replace('torch.', ''):9s} {err:.2e}")
