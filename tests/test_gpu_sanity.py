@@ -1,7 +1,7 @@
 """The GPU script's sanity check (eval/bench/gpu.py) can fail, and failing it fails the run (issue 14, item 6).
 
 On a CPU the "device" side is the CPU too, so the real check passes trivially; the tests below show
-that a device-side difference just over the tolerance is caught at every budget, that an attention
+that a device-side difference just over the tolerance is caught at every budget, that FlexiCache's decode attention
 slightly off is caught against dense at the full budget, and that `main` then exits with status 1.
 """
 
@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 from conftest import tiny_config
 
-import fc_hf.kernels as kernels
 from fc_hf.eval.bench import gpu as bench_gpu
+from fc_hf.kernels import dispatch
 
 SMALL = dict(length=600, steps=9, batch=2)  # 38 pages: the 256-token budget (16 pages) has to choose
 
@@ -49,20 +49,27 @@ def test_device_side_difference_over_the_tolerance_fails(monkeypatch, case):
 
 
 def test_attention_slightly_off_fails_against_dense(monkeypatch):
-    """Mutant: sparse attention 1% off everywhere; the full-budget case compares with dense and fails."""
-    real = kernels.sparse_decode_attention
-    monkeypatch.setattr(kernels, "sparse_decode_attention", lambda *a, **k: real(*a, **k) * 1.01)
+    """Mutant: FlexiCache's decode attention 1% off everywhere, in both primitives a decode step attends with
+    (`attention` over gathered or windowed K/V, `attention_from_logits` over a ranking's own logits; the core calls them
+    through `fc_hf.kernels.dispatch`). The full-budget case compares with dense and fails from the first step; the
+    low-budget ones compare with FlexiCache on the CPU, as wrong on both sides, and pass: only dense can see it."""
+    calls = []
+    for name in ("attention", "attention_from_logits"):
+        def off(*a, _real=getattr(dispatch, name), _name=name, **k):
+            calls.append(_name)
+            return _real(*a, **k) * 1.01
+
+        monkeypatch.setattr(dispatch, name, off)
     result = bench_gpu.sanity("cpu", config=_config(), **SMALL)
-    assert not result["ok"] and not result["full"]["ok"]
+    assert set(calls) == {"attention", "attention_from_logits"}  # the step attends through both
+    assert not result["ok"] and not result["full"]["ok"] and result["full"]["first_bad_step"] == 1
+    assert result["low"]["ok"] and result["low-deferred"]["ok"]
 
 
 def test_failed_sanity_fails_the_run(monkeypatch, tmp_path):
-    import fc_hf.eval.bench.common as common
-
-    monkeypatch.setattr(bench_gpu, "llama8b_config", lambda layers, max_positions: _config())
-    monkeypatch.setattr(common, "build_model", lambda config, dtype=None, device="cpu", seed=0: None)
-    monkeypatch.setattr(bench_gpu, "sanity", lambda device: {"ok": False, "full": {"max_abs_logit_diff": 1.0}})
-    args = ["--device", "cpu", "--quick", "--layers", "2", "--deadline-s", "0", "--out", str(tmp_path)]
+    """A sanity check that fails gives status 1 (with no time left for any case: the plan is recorded skipped)."""
+    monkeypatch.setattr(bench_gpu, "sanity", lambda device, **kw: {"ok": False, "full": {"max_abs_logit_diff": 1.0}})
+    args = ["--device", "cpu", "--model", "tiny", "--layers", "2", "--time-budget-s", "0", "--out", str(tmp_path)]
     assert bench_gpu.main(args) == 1
-    monkeypatch.setattr(bench_gpu, "sanity", lambda device: {"ok": True})
+    monkeypatch.setattr(bench_gpu, "sanity", lambda device, **kw: {"ok": True})
     assert bench_gpu.main(args) == 0

@@ -1,71 +1,114 @@
-"""GPU benchmark for one device lease: FlexiCache vs dense vs Quest (vs transformers' offloading) on CUDA.
+"""GPU benchmark for one device lease: FlexiCache and Quest against the fastest dense a user gets, eager and compiled.
 
-Run it with `eval/bench/gpu_bench.sh`: its header gives the device command, the expected wall time and the CPU
-rehearsal (`--dry-run`) that CI runs. It needs torch, Triton, transformers and accelerate only.
+Run it with `eval/bench/gpu_bench.sh`: its header gives the device command, the wall time and the CPU rehearsal
+(`--dry-run`) that CI runs. It needs torch, Triton and transformers only (the lent machine's: torch 2.11, Triton 3.6,
+transformers 5.17; nothing installs there).
 
-A random-weight model with Llama-3.1-8B's layer shape (hidden 4096, 32 query / 8 KV heads, head_dim 128, MLP 14336,
-vocabulary 128256), `--layers` decoder layers (default 8: KV bytes per weight byte per layer are the real model's,
-and the whole run fits the lease), bf16, Triton kernels (the dispatcher picks them on CUDA). Contexts 10k-32k,
-batch up to 40.
+The model has random weights of Llama-3.1-8B's layer shape (hidden 4096, 32 query / 8 KV heads of 128, MLP 14336,
+vocabulary 128256) and `--layers` decoder layers (8: a layer's KV bytes per weight byte are the real model's), bf16.
+A case fills its cache with random K/V as a prefill would (`common.ingest_random_kv`), takes the first decode step
+eagerly (profiled: which sdpa kernel ran), `--warmup` more untimed (compiling, recording CUDA graphs), then `--steps`
+timed: a CUDA event after every step and no synchronize among them; p50, p99 and the slowest step, tok/s from the
+mean. Device memory, weights excluded: the larger of the allocator's peak over the timed steps and what it holds
+reserved after them (CUDA graphs keep their memory in pools of their own); `held_bytes` is what the cache's own
+tensors occupy on the device, beside what its `memory_report()` says.
 
-Stages, each guarded so a failure or an out-of-memory case is recorded and the run goes on:
-1. sanity (`sanity`): FlexiCache on the GPU (Triton kernels, side-stream tier copies) against the CPU
-   reference, fp32 on both sides, same weights (2 layers of the Llama-8B attention shape), same
-   prompt K/V, same teacher-forced tokens: at a full budget against dense attention on the CPU, at a
-   low budget (re-ranks and promotions every 4 steps, sync and deferred) against FlexiCache on the
-   CPU. Every step's logits must agree to `SANITY_RTOL`; and every asynchronous copy's host side must be
-   pinned and contiguous (`_audit_async_copies`, on the real device). If not, the run still times the grid
-   but exits with status 1 (and says so last);
-2. decode (`time_case`): per (context, batch, method, budget) a random-K/V prefill, the first step, `--warmup`
-   untimed steps (past every page offset, a page opened and a re-rank: every Triton variant is compiled before
-   the timing), then `--steps` timed steps: a CUDA event between steps, no synchronize inside (phase timing
-   off), medians and means; Triton compiles during the timed steps are counted (0 expected). Then a separate
-   pass of `--phase-steps` steps with `enable_timing()` (which synchronises around each phase) for the
-   per-phase breakdown. Memory: peak GPU memory over the model during the prefill and during the timed steps,
-   bytes per tier (`memory_report()`), pinned host bytes held by PyTorch's host allocator;
-3. the summary table, printed last. `gpu_bench.json` and `gpu_bench.md` (the table) under `--out` are rewritten
-   after every stage and case, so a run stopped early still returns what it measured.
+Dense is the fastest a user gets, so it runs as every variant a user may have, each in its own process or with its
+backend pinned: `sdpa` (`DynamicCache` and sdpa as installed: `generate`'s default), `sdpa, flash` (sdpa pinned to
+flash), `static` (`StaticCache`, eager), `static, compiled` (as `generate` compiles a compileable cache:
+`get_compiled_call(CompileConfig())`, inductor, mode "reduce-overhead", CUDA graphs), and the `cuDNN deprioritised`
+ones in a process started with `TORCH_CUDNN_SDPA_DEPRIORITIZED=1` (on sm90 with a recent cuDNN torch otherwise
+prefers cuDNN's sdpa, whatever it costs a decode step). FlexiCache and Quest (budget 1024) run eager and compiled the
+same way; a compile that fails falls back to eager, the reason recorded; a compiled row records its graphs, graph
+breaks, recompiles while timed and CUDA-graph skips (inductor skips CUDA graphs for a graph that mutates inputs not
+marked static). The throughput case: at `--throughput-context` tokens, the largest batch whose device memory fits
+`--cap-gb` for dense (`static, compiled`) and FlexiCache (compiled), estimated from an eager probe at batch 1, then
+measured (once more, smaller, if over the cap).
 
-A deadline (`--deadline-s`) skips the cases left once the next one would not finish in time, so the table always
-prints; the shell script also stops the run at a hard limit (SIGINT: the table is still written).
+Order and time: the sanity check first (in this process), then the cases in priority order (`plan`), each run of
+consecutive cases sharing an environment in one worker process. No case starts that would end after
+`--time-budget-s`, judged by the slowest finished case of its kind (compiled or eager); a worker still busy then is
+stopped. `gpu_bench.json` and `gpu_bench.md` (the table) under `--out` are rewritten after every case.
 
-`--dry-run` (CPU, no GPU): imports everything the GPU run imports, builds every case (its cache and the model on
-the meta device), runs the timing path on a tiny model on the CPU, runs the sanity stage's CPU reference, checks
-that nothing outside torch, Triton, transformers, accelerate and their dependencies was imported, and writes the
-same files. CI runs it through `gpu_bench.sh` from the repository root, under a python3 without the project
-installed, as the lent machine runs it (tests/test_gpu_script.py).
+The sanity check: FlexiCache on the GPU against the CPU reference, fp32 on both sides, same weights (2 layers of the
+Llama-8B attention shape), prompt K/V and teacher-forced tokens: at a full budget against dense attention, at a low
+budget (re-ranks every 4 steps, sync and deferred promotion) against FlexiCache on the CPU. Every step's logits must
+agree to `SANITY_RTOL`, and no non-empty asynchronous host<->device copy may go through pageable memory. If not, the
+run goes on but exits with status 1.
+
+`--dry-run` rehearses all of it on a CPU, quickly: tiny shapes, 3 timed steps, the compiled cases through `aot_eager`
+(inductor's reduce-overhead mode is CUDA's), the sanity check with the CPU as the device. It also checks that the code
+of the project imports nothing beyond that stack (`ALLOWED_IMPORTS`), in this process and in every worker.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
+import math
 import os
+import queue
+import signal
+import subprocess
 import sys
+import threading
 import time
 import traceback
 from pathlib import Path
 
-DEFAULT_GRID = [
-    # (context, batch, methods, budgets)
-    (10240, 1, ("dense", "offload", "quest", "flexicache"), (1024,)),
-    (10240, 8, ("dense", "offload", "quest", "flexicache"), (1024,)),
-    (10240, 16, ("dense", "quest", "flexicache"), (1024,)),
-    (10240, 32, ("dense", "quest", "flexicache"), (1024,)),
-    (10240, 40, ("dense", "quest", "flexicache"), (1024, 2048)),
-    (32768, 1, ("dense", "offload", "quest", "flexicache"), (1024, 2048)),
-    (32768, 4, ("dense", "quest", "flexicache"), (1024,)),
-    (32768, 8, ("dense", "quest", "flexicache"), (1024,)),
-]
-QUICK_GRID = [(2048, 1, ("dense", "quest", "flexicache"), (1024,)), (4096, 4, ("dense", "flexicache"), (1024,))]
-FLEXI = ("quest", "flexicache")
+import torch
 
-# What the project's own code may import on the lent machine, whose python3 has torch, Triton, transformers and
-# accelerate (and their dependencies) but none of the project's extras (lm-eval, datasets, gguf, ...). `--dry-run`
-# records every import statement that code runs (`_imports_by_project`); what they import in turn is theirs.
+# What the project's own code may import on the lent machine: its python3 has torch, Triton and transformers (and their
+# dependencies) but none of the project's extras. `_imports_by_project` records every import statement that code runs.
 ALLOWED_IMPORTS = frozenset({"fc_hf", "torch", "triton", "transformers", "accelerate", "tqdm", "numpy", "safetensors",
                              "huggingface_hub", "packaging"})
+
+# Each case runs one of these: the method (its attention), the cache, compiled or eager, an sdpa backend pinned, the
+# process environment.
+VARIANTS = {
+    "sdpa": dict(method="dense", cache="dynamic"),
+    "sdpa, flash": dict(method="dense", cache="dynamic", pin="flash"),
+    "static": dict(method="dense", cache="static"),
+    "static, compiled": dict(method="dense", cache="static", compiled=True),
+    "sdpa, cuDNN deprioritised": dict(method="dense", cache="dynamic", env="no-cudnn"),
+    "static, cuDNN deprioritised": dict(method="dense", cache="static", env="no-cudnn"),
+    "static, compiled, cuDNN deprioritised": dict(method="dense", cache="static", compiled=True, env="no-cudnn"),
+    "flexicache": dict(method="flexicache", cache="flexicache"),
+    "flexicache, compiled": dict(method="flexicache", cache="flexicache", compiled=True),
+    "quest": dict(method="quest", cache="flexicache"),
+    "quest, compiled": dict(method="quest", cache="flexicache", compiled=True),
+}
+ENVIRONMENTS = {"installed": {}, "no-cudnn": {"TORCH_CUDNN_SDPA_DEPRIORITIZED": "1"}}
+RESULT = "GPU_BENCH_ROW "  # marks a worker's result lines on its stdout
+STOP_GRACE_S = 15.0  # a worker busy past the time budget is stopped this much later
+
+
+def plan(shapes, throughput_context: int | None, budget: int = 1024) -> list[dict]:
+    """The cases in priority order: the fair pair (dense and FlexiCache compiled), the other dense variants, Quest
+    compiled, the throughput case, the eager sparse ones. `shapes`: (context, batch) pairs; `budget`: FlexiCache's
+    and Quest's token budget."""
+
+    def at_every_shape(tier, *labels):
+        return [case(label, tier, length, batch, budget) for length, batch in shapes for label in labels]
+
+    cases = at_every_shape(1, "static, compiled", "flexicache, compiled")
+    cases += at_every_shape(1, "sdpa", "sdpa, flash", "static")
+    cases += at_every_shape(1, "sdpa, cuDNN deprioritised", "static, cuDNN deprioritised",
+                            "static, compiled, cuDNN deprioritised")
+    cases += at_every_shape(2, "quest, compiled")
+    if throughput_context:
+        cases += [case(label, 3, throughput_context, None, budget, kind="throughput")
+                  for label in ("static, compiled", "flexicache, compiled")]
+    return cases + at_every_shape(3, "flexicache", "quest")
+
+
+def case(label: str, tier: int, length: int, batch: int | None, budget: int, kind: str = "latency") -> dict:
+    """A case of `plan`: variant `label` at `length` tokens and `batch` (None: the throughput case finds it)."""
+    spec = dict(dict(compiled=False, pin=None, env="installed"), **VARIANTS[label])
+    return dict(spec, label=label, tier=tier, kind=kind, length=length, batch=batch,
+                budget=None if spec["method"] == "dense" else budget)
 
 
 def llama8b_config(layers: int, max_positions: int):
@@ -78,6 +121,7 @@ def llama8b_config(layers: int, max_positions: int):
     )
 
 
+# -- sanity ---------------------------------------------------------------------------------------------------------
 SANITY_RTOL = 1e-3  # max |logit difference| <= SANITY_RTOL * max(1, max |logit|); fp32 on both sides
 SANITY_CASES = (  # (name, FlexiCacheConfig fields, the CPU reference's method)
     ("full", dict(token_budget=2048), "dense"),
@@ -97,9 +141,8 @@ def sanity_config(layers: int = 2):
 
 
 def _forced_logits(model, method, cfg, profile, prompt_kv, tokens, device):
-    """Load `prompt_kv` as a prefill would, teacher-force `tokens [B, T]`; returns (`[B, T, V]` fp32 logits on the CPU, stats)."""
-    import torch
-
+    """Load `prompt_kv` as a prefill would, teacher-force `tokens [B, T]`; returns (`[B, T, V]` fp32 logits on the
+    CPU, stats)."""
     from fc_hf.compat import cache_kwarg
 
     from ..methods import make_cache, prepare_model
@@ -121,22 +164,19 @@ def _forced_logits(model, method, cfg, profile, prompt_kv, tokens, device):
 
 @contextlib.contextmanager
 def _audit_async_copies():
-    """Yields a list that collects every `non_blocking=True` host<->device copy whose host side is not pinned and
-    contiguous (such a copy is staged through pageable memory and the host waits for it). CUDA only: on a CPU no
-    copy crosses devices."""
-    import torch
-
+    """Yields a list that collects every non-empty `non_blocking=True` host<->device copy whose host side is not pinned
+    and contiguous: such a copy is staged through pageable memory and the host waits for it."""
     found: list[str] = []
     real_to, real_copy = torch.Tensor.to, torch.Tensor.copy_
 
     def check(host, what):
-        if not (host.is_pinned() and host.is_contiguous()):
+        if host.numel() and not (host.is_pinned() and host.is_contiguous()):
             found.append(f"{what} {tuple(host.shape)} pinned={host.is_pinned()} contiguous={host.is_contiguous()}")
 
     def to(self, *args, **kwargs):
         out = real_to(self, *args, **kwargs)
-        if kwargs.get("non_blocking") and self.device.type == "cpu" and out.device.type == "cuda":
-            check(self, "to(cuda)")
+        if kwargs.get("non_blocking") and self.device.type == "cpu" and out.device.type != "cpu":
+            check(self, "to(device)")
         return out
 
     def copy_(self, src, non_blocking=False):
@@ -151,18 +191,13 @@ def _audit_async_copies():
         torch.Tensor.to, torch.Tensor.copy_ = real_to, real_copy
 
 
-def sanity(device, config=None, length: int = 1536, steps: int = 24, batch: int = 2, rtol: float = SANITY_RTOL,
-           reference_only: bool = False) -> dict:
-    """FlexiCache on `device` against the CPU reference (see the module docstring); `ok` is False on any step over `rtol`.
+def sanity(device, config=None, length: int = 1536, steps: int = 24, batch: int = 2, rtol: float = SANITY_RTOL) -> dict:
+    """FlexiCache on `device` against the CPU reference (module docstring); `ok` is False on any step over `rtol`.
 
-    Returns a dict with one entry per case of `SANITY_CASES` (max difference, the first step over the
-    tolerance, pages promoted on the device) and `ok` for all of them; the low-budget cases must also
-    have promoted pages, or they would not have exercised the tier copies. `reference_only` (the dry run) computes
-    the CPU reference alone and checks its logits are finite.
-    """
+    Returns a dict with one entry per case of `SANITY_CASES` (max difference, the first step over the tolerance, pages
+    promoted, pageable copies) and `ok` for all of them; the low-budget cases must have promoted pages, or they would
+    not have exercised the tier moves."""
     import copy
-
-    import torch
 
     from fc_hf import FlexiCacheConfig
     from fc_hf.profile import attention_shape
@@ -171,48 +206,44 @@ def sanity(device, config=None, length: int = 1536, steps: int = 24, batch: int 
 
     config = config or sanity_config()
     reference = build_model(config, dtype=torch.float32, device="cpu")
-    model = None if reference_only else copy.deepcopy(reference).to(device)
+    model = copy.deepcopy(reference).to(device)
     profile = spread_profile(config, 0.25)
     layers, kv_heads, head_dim = attention_shape(config)
     g = torch.Generator().manual_seed(1)
-    prompt_kv = [tuple(torch.randn(batch, kv_heads, length, head_dim, generator=g) for _ in range(2)) for _ in range(layers)]
+    prompt_kv = [tuple(torch.randn(batch, kv_heads, length, head_dim, generator=g) for _ in range(2))
+                 for _ in range(layers)]
     tokens = torch.randint(1, config.vocab_size, (batch, steps), generator=g)
     result = {"rtol": rtol, "length": length, "steps": steps, "batch": batch}
     for name, fields, reference_method in SANITY_CASES:
         cfg = FlexiCacheConfig(page_size=16, rerank_interval=4, **fields)
         want, _ = _forced_logits(reference, reference_method, cfg, profile, prompt_kv, tokens, "cpu")
-        if reference_only:
-            result[name] = {"reference": f"{reference_method} (cpu)", "max_abs_logit": want.abs().max().item(),
-                            "ok": bool(torch.isfinite(want).all())}
-            continue
         with _audit_async_copies() as pageable:
             got, stats = _forced_logits(model, "flexicache", cfg, profile, prompt_kv, tokens, device)
         scale = max(1.0, want.abs().max().item())
         per_step = (got - want).abs().amax(dim=(0, 2))  # [T]
         over = (~(per_step <= rtol * scale)).nonzero()  # NaN counts as over
-        case = {"reference": f"{reference_method} (cpu)", "max_abs_logit_diff": per_step.max().item(),
-                "max_abs_logit": want.abs().max().item(), "first_bad_step": int(over[0]) + 1 if over.numel() else None,
-                "pages_promoted": stats.get("pages_promoted", 0), "pageable_async_copies": pageable[:5]}
-        case["ok"] = case["first_bad_step"] is None and (name == "full" or case["pages_promoted"] > 0) and not pageable
-        result[name] = case
+        entry = {"reference": f"{reference_method} (cpu)", "max_abs_logit_diff": per_step.max().item(),
+                 "max_abs_logit": want.abs().max().item(), "first_bad_step": int(over[0]) + 1 if over.numel() else None,
+                 "pages_promoted": stats.get("pages_promoted", 0), "pageable_async_copies": pageable[:5]}
+        promoted = name == "full" or entry["pages_promoted"] > 0
+        entry["ok"] = entry["first_bad_step"] is None and promoted and not pageable
+        result[name] = entry
     result["ok"] = all(result[name]["ok"] for name, _, _ in SANITY_CASES)
+    del model
+    _release(device)
     return result
 
 
-# -- timing ---------------------------------------------------------------------------------------------------------
+# -- one case (in a worker) -----------------------------------------------------------------------------------------
 class _StepTimer:
     """Marks between decode steps: CUDA events on the compute stream (no synchronize until `intervals_ms`), or the
     wall clock on a CPU."""
 
     def __init__(self, device):
-        import torch
-
         self.cuda = torch.device(device).type == "cuda"
         self.marks: list = []
 
     def mark(self) -> None:
-        import torch
-
         if self.cuda:
             event = torch.cuda.Event(enable_timing=True)
             event.record()
@@ -221,215 +252,436 @@ class _StepTimer:
             self.marks.append(time.perf_counter())
 
     def intervals_ms(self) -> list[float]:
-        import torch
-
         if self.cuda:
             torch.cuda.synchronize()
             return [a.elapsed_time(b) for a, b in zip(self.marks, self.marks[1:])]
         return [(b - a) * 1e3 for a, b in zip(self.marks, self.marks[1:])]
 
 
-@contextlib.contextmanager
-def _count_compiles():
-    """Yields a dict whose "count" is the Triton kernels compiled (in-memory cache misses) inside the block; None when
-    this Triton has no `knobs.runtime.jit_cache_hook` (Triton 3.6 and 3.9 have it)."""
-    counted = {"count": None}
-    try:
-        from triton import knobs
-
-        runtime = knobs.runtime
-        previous = runtime.jit_cache_hook
-    except (ImportError, AttributeError):
-        yield counted
-        return
-    counted["count"] = 0
-
-    def hook(*args, **kwargs):
-        counted["count"] += 1
-        return previous(*args, **kwargs) if previous else False
-
-    runtime.jit_cache_hook = hook
-    try:
-        yield counted
-    finally:
-        runtime.jit_cache_hook = previous
-
-
-def _gpu_mb(what: str, cuda: bool) -> float:
-    import torch
-
-    if not cuda:
-        return 0.0
-    return (torch.cuda.max_memory_allocated() if what == "peak" else torch.cuda.memory_allocated()) / 2**20
-
-
-def _pinned_host_mb() -> dict:
-    """Pinned host memory held by PyTorch's host allocator (the host tier rounds up to powers of two there and stays
-    cached), when this torch reports it."""
-    import torch
-
-    stats = getattr(torch.cuda, "host_memory_stats", None)
-    try:
-        s = stats() if stats else {}
-    except RuntimeError:
-        return {}
-    keys = {"allocated_bytes.current": "host_pinned_held_mb", "active_bytes.current": "host_pinned_in_use_mb"}
-    return {name: s[key] / 2**20 for key, name in keys.items() if key in s}
-
-
-def _release(cuda: bool) -> None:
-    import torch
-
-    from .common import release_memory
-
-    release_memory()
-    if cuda:
-        torch.cuda.empty_cache()
-        empty_host = getattr(torch._C, "_host_emptyCache", None)  # give the pinned host tier back between cases
-        if empty_host is not None:
-            empty_host()
-
-
-def _median(values: list[float]) -> float:
+def percentile(values: list[float], q: float) -> float:
+    """The nearest-rank `q`-th percentile."""
     ordered = sorted(values)
-    mid = len(ordered) // 2
-    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+    return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)]
 
 
-def time_case(model, config, method, budget, length, batch, profile, *, steps, warmup, phase_steps, device,
-              dtype) -> dict:
-    """Time `steps` decode steps of `method` after a random-K/V prefill of `length` tokens and `warmup` untimed steps
-    (see the module docstring, stage 2)."""
-    import torch
+def _device_bytes(cache, device) -> int:
+    """Bytes of the distinct tensors on `device`'s kind of device that `cache` holds (its layers, stores, selectors,
+    masks), found through its attributes: what it occupies there, whatever it reports of itself."""
+    kind = torch.device(device).type
+    seen, storages, total = set(), set(), 0
+    todo = [cache]
+    while todo:
+        obj = todo.pop()
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            storage = obj.untyped_storage()
+            if obj.device.type == kind and storage.data_ptr() not in storages:
+                storages.add(storage.data_ptr())
+                total += storage.nbytes()
+        elif isinstance(obj, dict):
+            todo.extend(obj.values())
+        elif isinstance(obj, (list, tuple, set)):
+            todo.extend(obj)
+        elif hasattr(obj, "__dict__") and not isinstance(obj, (type, torch.nn.Module)):
+            todo.extend(vars(obj).values())
+    return total
+
+
+def _cache(spec: dict, config, profile, tokens: int):
+    """A fresh cache of the case's kind, with room for `tokens` per sequence (as generate sizes one)."""
+    from transformers import StaticCache
+
+    from .common import bench_cache
+
+    if spec["cache"] == "static":
+        return StaticCache(config=config, max_cache_len=tokens)
+    return bench_cache(spec["method"], config, spec["budget"], profile if spec["method"] == "flexicache" else None,
+                       tokens=tokens)
+
+
+def _step(forward, cache, kwarg: str, token, position):
+    """One greedy decode step; the logits are dropped at once (CUDA graphs reuse their memory)."""
+    return forward(input_ids=token, cache_position=position, use_cache=True, logits_to_keep=1,
+                   **{kwarg: cache}).logits[:, -1:].argmax(-1)
+
+
+def _sdpa_pin(pin: str | None):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel(SDPBackend.FLASH_ATTENTION) if pin == "flash" else contextlib.nullcontext()
+
+
+def _release(device) -> None:
+    """Free what a case left: compiled graphs (their CUDA-graph pools with them), tensors, cached blocks."""
+    torch._dynamo.reset()
+    gc.collect()
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _timed(model, config, spec: dict, settings: dict, profile, compiled: bool) -> dict:
+    """Fill the case's cache, decode (the module docstring) and measure; raises on any failure."""
+    from torch._dynamo.utils import counters
+    from transformers import CompileConfig
 
     from fc_hf.compat import cache_kwarg
+    from fc_hf.kernels import dispatch
 
-    from ..methods import make_cache, prepare_model
-    from .common import decode_step, ingest_random_kv, now, sync
+    from ..methods import prepare_model
+    from .common import ingest_random_kv
 
-    flexi = method in FLEXI
-    prepare_model(model, method)
-    kwarg = cache_kwarg(model)
+    device, steps, warmup = settings["device"], settings["steps"], settings["warmup"]
     cuda = torch.device(device).type == "cuda"
-    r = {"method": method, "budget": budget if flexi else None, "length": length, "batch": batch, "steps": steps,
-         "warmup_steps": warmup, "phase_steps": phase_steps if flexi else 0}
-    with torch.no_grad():
-        if cuda:
-            torch.cuda.reset_peak_memory_stats()
-        base_mb = _gpu_mb("now", cuda)
-        cache = make_cache(method, config, budget, profile, dense_cache=True)
-        t0 = now(device)
-        ingest_random_kv(cache, config, batch, length, dtype=dtype, device=device)
-        r["ingest_s"] = now(device) - t0
-        token = torch.randint(1, config.vocab_size, (batch, 1), generator=torch.Generator().manual_seed(0)).to(device)
-        t0 = now(device)
-        token = decode_step(model, cache, kwarg, token, length)  # step 1: the first ranking drops the prompt's pages
-        r["first_step_ms"] = (now(device) - t0) * 1e3
-        r["ingest_peak_mb"] = _gpu_mb("peak", cuda) - base_mb
-        position = length + 1
-        for _ in range(warmup):
-            token = decode_step(model, cache, kwarg, token, position)
-            position += 1
-        sync(device)
+    length, batch = spec["length"], spec["batch"]
+    prepare_model(model, spec["method"])
+    kwarg = cache_kwarg(model)
+    r = dict(spec, compiled=compiled, steps=steps, warmup_steps=warmup)
+    if cuda:
+        torch.cuda.synchronize()
+        base, base_reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()  # the weights
+    cache = _cache(spec, config, profile, length + 1 + warmup + steps)
+    ingest_random_kv(cache, config, batch, length, dtype=getattr(torch, settings["dtype"]), device=device)
+    r["held_bytes"] = _device_bytes(cache, device)
+    if cuda:
+        torch.cuda.empty_cache()  # the random prefill's temporaries are no part of a decode's memory
+    token = torch.randint(1, config.vocab_size, (batch, 1), generator=torch.Generator().manual_seed(0)).to(device)
+    position = torch.tensor([length], device=device)
+    with _sdpa_pin(spec["pin"]), torch.no_grad():
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            token = _step(model, cache, kwarg, token, position)  # eager: a FlexiCache's first step ranks every row
+        r["sdpa_kernels"] = sorted({e.name for e in prof.events() if "scaled_dot_product" in e.name})
+        if spec["method"] != "dense":
+            r["flexicache_backend"] = dispatch.backend_for(token, cache.cache_config.backend)
+        forward = model
+        if compiled:  # what generate does for a compileable cache (nothing compiled: `_release` reset dynamo)
+            counters.clear()
+            forward = model.get_compiled_call(CompileConfig(**settings["compile"]))
+        t0 = time.perf_counter()
+        for i in range(warmup):
+            position = position + 1  # as generate advances it: on the device
+            token = _step(forward, cache, kwarg, token, position)
+            if i == 0:
+                _sync(device)
+                r["first_call_s"] = time.perf_counter() - t0  # a compiled case's compile
+        graphs = counters["stats"]["unique_graphs"]
+        _sync(device)
         if cuda:
             torch.cuda.reset_peak_memory_stats()
         timer = _StepTimer(device)
-        with _count_compiles() as compiles:
-            wall0 = time.perf_counter()
+        wall0 = time.perf_counter()
+        timer.mark()
+        for _ in range(steps):
+            position = position + 1
+            token = _step(forward, cache, kwarg, token, position)
             timer.mark()
-            for _ in range(steps):
-                token = decode_step(model, cache, kwarg, token, position)
-                position += 1
-                timer.mark()
-            times = timer.intervals_ms()  # the one synchronize of the timed steps
-            r["wall_ms_per_step"] = (time.perf_counter() - wall0) * 1e3 / steps
-        r["compiles_in_timed_steps"] = compiles["count"]
-        r["decode_peak_mb"] = _gpu_mb("peak", cuda) - base_mb
-        if flexi:
-            r["memory"] = cache.memory_report()
-            if phase_steps:  # apart from the timed steps: the phase timers synchronise
-                cache.enable_timing()
-                for _ in range(phase_steps):
-                    token = decode_step(model, cache, kwarg, token, position)
-                    position += 1
-                r["breakdown_ms"] = {k: v * 1e3 / phase_steps for k, v in cache.stats().get("timings_s", {}).items()}
-            stats = cache.stats()
-            r["stats"] = {k: v for k, v in stats.items() if k not in ("promoted_fraction_per_rerank", "timings_s")}
-        else:
-            layers = [l for l in getattr(cache, "layers", []) if getattr(l, "keys", None) is not None]
-            nbytes = [l.keys.numel() * l.keys.element_size() * 2 for l in layers]
-            on_device = sum(n for n, l in zip(nbytes, layers) if l.keys.device.type == torch.device(device).type)
-            r["memory"] = {"device_kv_bytes": on_device, "dense_kv_bytes": sum(nbytes),
-                           "host_kv_bytes": sum(nbytes) - on_device}  # offload: the layers moved to the host
-        r.update(_pinned_host_mb() if cuda else {})
-        del cache
-    _release(cuda)
-    r.update(step_ms=times, step_ms_median=_median(times), step_ms_mean=sum(times) / len(times),
-             step_ms_min=min(times), step_ms_max=max(times))
-    r["tok_s"] = batch * 1e3 / r["step_ms_median"]
+        times = timer.intervals_ms()  # the one synchronize of the timed steps
+        r["wall_ms_per_step"] = (time.perf_counter() - wall0) * 1e3 / steps
+    if compiled:
+        r.update(graphs=graphs, recompiles_in_timed_steps=counters["stats"]["unique_graphs"] - graphs,
+                 graph_breaks=sum(counters["graph_break"].values()),
+                 cudagraph_skips=counters["inductor"]["cudagraph_skips"])
+    if cuda:
+        r["decode_peak_bytes"] = torch.cuda.max_memory_allocated() - base
+        r["reserved_bytes"] = torch.cuda.memory_reserved() - base_reserved
+    # A CPU has no allocator peak: the cache's own bytes.
+    r["device_bytes"] = max(r["decode_peak_bytes"], r["reserved_bytes"]) if cuda else r["held_bytes"]
+    if spec["method"] != "dense":
+        r["memory_report"] = cache.memory_report()  # what the cache reports of itself, beside `held_bytes`
+        r["stats"] = {k: v for k, v in cache.stats().items() if k != "bytes_read"}
+    del cache
+    mean = sum(times) / len(times)
+    r.update(step_ms=times, step_ms_p50=percentile(times, 50), step_ms_p99=percentile(times, 99),
+             step_ms_max=max(times), step_ms_mean=mean, tok_s=batch * 1e3 / mean)
     return r
 
 
+def run_case(model, config, spec: dict, settings: dict, profile) -> dict:
+    """`_timed`; a compiled case that fails runs again eagerly, the failure recorded as `compile_fallback`."""
+    try:
+        return _timed(model, config, spec, settings, profile, spec["compiled"])
+    except Exception as e:
+        if not spec["compiled"]:
+            raise
+        reason = f"{type(e).__name__}: {str(e)[:300]}"
+    _release(settings["device"])  # outside the except block, whose traceback holds the failed attempt's cache
+    r = _timed(model, config, spec, settings, profile, compiled=False)
+    r["compile_fallback"] = reason
+    return r
+
+
+def throughput_case(model, config, spec: dict, settings: dict, profile) -> dict:
+    """The largest batch whose decode fits the cap (weights excluded): estimated from a sequence's device bytes (an
+    eager probe at batch 1: its cache and a step's own memory, such as sdpa's `repeat_kv` copy beside a
+    `StaticCache`), then measured; once more at a proportionally smaller batch if the measured peak is over the cap."""
+    device, cap = settings["device"], settings["cap_bytes"]
+    probe = _timed(model, config, dict(spec, batch=1), dict(settings, steps=1, warmup=1), profile, compiled=False)
+    per_sequence = probe["device_bytes"]
+    _release(device)
+    estimated = max(1, int(cap / (per_sequence * 1.02)))  # 2% for what a larger batch adds beyond the multiple
+
+    def measured(batch: int) -> dict:
+        r = run_case(model, config, dict(spec, batch=batch), settings, profile)
+        r.update(cap_bytes=cap, bytes_per_sequence=per_sequence, estimated_batch=estimated,
+                 fits=r["device_bytes"] <= cap)
+        return r
+
+    r = measured(estimated)
+    if not r["fits"] and estimated > 1:  # once more, smaller by the measured excess
+        _release(device)
+        r = measured(max(1, int(estimated * cap / r["device_bytes"])))
+    return r
+
+
+def worker(spec: dict) -> int:
+    """A worker process: one model, then its cases in turn, one result line each on stdout (`RESULT`); a case that
+    would end after the deadline is skipped. Last, a line with what it imported beyond the stack."""
+    settings = spec["settings"]
+    slowest = dict(spec["slowest"])  # seconds of the slowest finished case, compiled and eager
+    with _imports_by_project() as foreign:
+        from .common import build_model, model_config, spread_profile
+
+        device = settings["device"]
+        max_positions = max(c["length"] for c in spec["cases"]) + settings["warmup"] + settings["steps"] + 64
+        if settings["model"] == "llama8b":
+            config = llama8b_config(settings["layers"], max_positions)
+        else:
+            config = model_config(settings["model"], max_positions=max_positions, layers=settings["layers"])
+        model = build_model(config, dtype=getattr(torch, settings["dtype"]), device=device)
+        profile = spread_profile(config, 0.25)
+        for c in spec["cases"]:
+            kind = "compiled" if c["compiled"] else "eager"
+            if time.time() + slowest.get(kind, 0.0) > spec["deadline"]:
+                _emit(dict(c, skipped=f"time budget: the slowest {kind} case took {slowest.get(kind, 0):.0f} s"))
+                continue
+            t0 = time.perf_counter()
+            try:
+                run = throughput_case if c["kind"] == "throughput" else run_case
+                r = run(model, config, c, settings, profile)
+            except Exception as e:  # out of memory, a kernel failing: recorded, the next case runs
+                r = dict(c, error=f"{type(e).__name__}: {str(e)[:300]}", traceback=traceback.format_exc(limit=4))
+            r["wall_s"] = time.perf_counter() - t0
+            slowest[kind] = max(slowest.get(kind, 0.0), r["wall_s"])
+            _release(device)
+            _emit(r)
+    _emit({"worker": {"imports_beyond_the_stack": sorted(foreign), "environment": _environment()}})
+    return 0
+
+
+def _emit(row: dict) -> None:
+    print(RESULT + json.dumps(row), flush=True)
+
+
+def _sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+# -- the main process -----------------------------------------------------------------------------------------------
+def _environment() -> dict:
+    from .common import environment
+
+    info = environment()
+    info["cudnn"] = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+    info["cuda"] = torch.version.cuda
+    with contextlib.suppress(ImportError):
+        import triton
+
+        info["triton"] = triton.__version__
+    info["TORCH_CUDNN_SDPA_DEPRIORITIZED"] = os.environ.get("TORCH_CUDNN_SDPA_DEPRIORITIZED")
+    return info
+
+
+def _groups(cases: list[dict]) -> list[tuple[str, list[dict]]]:
+    """Runs of consecutive cases sharing an environment: one worker process each."""
+    groups: list[tuple[str, list[dict]]] = []
+    for c in cases:
+        if groups and groups[-1][0] == c["env"]:
+            groups[-1][1].append(c)
+        else:
+            groups.append((c["env"], [c]))
+    return groups
+
+
+def _run_worker(env_name: str, spec: dict, stop_at: float, out: Path):
+    """Start a worker for `spec` in environment `env_name` and yield each row it prints, then `{"worker": ...}`
+    with its exit status. Stopped at `stop_at` (`time.time()`), on an interrupt, or when the caller stops reading."""
+    env = {k: v for k, v in os.environ.items() if k not in ENVIRONMENTS["no-cudnn"]}
+    env.update(ENVIRONMENTS[env_name], PYTHONUNBUFFERED="1")
+    # Run from `out`, not the checkout's root: there `fc_hf/` (without kernels/ and eval/) would come first.
+    proc = subprocess.Popen([sys.executable, "-m", __spec__.name, "--worker", json.dumps(spec)], cwd=out, env=env,
+                            stdout=subprocess.PIPE, text=True, start_new_session=True)
+    lines: queue.Queue = queue.Queue()
+
+    def read():  # in a thread, so that waiting for a line can time out
+        for line in proc.stdout:
+            lines.put(line)
+        lines.put(None)
+
+    threading.Thread(target=read, daemon=True).start()
+    summary = {"env": env_name, "cases": len(spec["cases"])}
+    t0 = time.perf_counter()
+    try:
+        while True:
+            try:
+                line = lines.get(timeout=max(0.0, stop_at - time.time()))
+            except queue.Empty:
+                summary["stopped"] = "time budget"
+                break
+            if line is None:
+                break
+            if line.startswith(RESULT):
+                row = json.loads(line[len(RESULT):])
+                if "worker" in row:
+                    summary.update(row["worker"])
+                else:
+                    yield row
+            else:
+                print(line, end="", file=sys.stderr)
+    finally:
+        if proc.poll() is None:  # its process group: inductor's compile workers with it
+            os.killpg(proc.pid, signal.SIGKILL)
+        summary.update(returncode=proc.wait(), wall_s=time.perf_counter() - t0)
+    yield {"worker": summary}
+
+
+def _settings(args) -> dict:
+    """What a worker needs of the options. Compiled as generate compiles (`CompileConfig()`: inductor, mode
+    "reduce-overhead"), or with another backend and no mode (the rehearsal's `aot_eager`)."""
+    compile_config = {} if args.compile_backend == "inductor" else {"backend": args.compile_backend, "mode": None}
+    return {"device": args.device, "model": args.model, "layers": args.layers, "dtype": "bfloat16",
+            "steps": args.steps, "warmup": args.warmup, "compile": compile_config, "cap_bytes": int(args.cap_gb * 1e9)}
+
+
+def _run(args, record: dict, out: Path, deadline: float) -> None:
+    """The sanity check, then every planned case in its worker; the files are rewritten after each."""
+    try:
+        record["sanity"] = sanity(args.device, steps=args.sanity_steps)
+    except Exception as e:  # keep going: the timing is still worth having (the exit status reports it)
+        record["sanity"] = {"ok": False, "error": f"{type(e).__name__}: {e}",
+                            "traceback": traceback.format_exc(limit=5)}
+    print(f"sanity: {json.dumps(record['sanity'])[:2000]}", flush=True)
+    _write(out, record)
+    slowest: dict[str, float] = {}
+    for env_name, cases in _groups(record["plan"]):
+        pending = list(cases)
+        why = "stopped at the time budget"
+        if time.time() < deadline:
+            spec = {"settings": record["settings"], "cases": cases, "deadline": deadline, "slowest": slowest}
+            with contextlib.closing(_run_worker(env_name, spec, deadline + STOP_GRACE_S, out)) as rows:
+                for row in rows:
+                    if "worker" in row:
+                        record["workers"].append(row["worker"])
+                        continue
+                    pending.pop(0)
+                    kind = "compiled" if row["compiled"] or "compile_fallback" in row else "eager"
+                    slowest[kind] = max(slowest.get(kind, 0.0), row.get("wall_s", 0.0))
+                    record["results"].append(row)
+                    _write(out, record)
+                    print(_progress(row), flush=True)
+            if "stopped" not in record["workers"][-1]:
+                why = f"its worker exited (status {record['workers'][-1]['returncode']}) first: see gpu_bench.log"
+        record["results"] += [dict(c, skipped=why) for c in pending]
+        _write(out, record)
+
+
+def _progress(r: dict) -> str:
+    head = f"L={r['length']} b={r['batch']} {r['label']}:"
+    if "tok_s" not in r:
+        return f"{head} {r.get('skipped') or r.get('error')}"
+    return (f"{head} p50 {r['step_ms_p50']:.2f} / p99 {r['step_ms_p99']:.2f} / max {r['step_ms_max']:.2f} ms, "
+            f"{r['tok_s']:.0f} tok/s{' (compile failed: eager)' if 'compile_fallback' in r else ''} "
+            f"[{r['wall_s']:.1f} s]")
+
+
 # -- report ---------------------------------------------------------------------------------------------------------
-_COLUMNS = ("context", "batch", "method", "budget", "median ms", "mean ms", "tok/s", "vs dense", "vs Quest",
-            "compiles", "decode peak MB", "device KV MB", "score+sel ms")
+_COLUMNS = ("context", "batch", "case", "compiled", "p50 ms", "p99 ms", "max ms", "tok/s", "vs dense", "vs Quest",
+            "attention", "device GB", "notes")
+_SDPA_KERNELS = ("cudnn", "flash", "efficient", "math")  # as named in the aten ops sdpa dispatches to
+
+
+def _group(r: dict) -> tuple:
+    """Rows compared with each other: the same context and batch; throughput rows: the same context."""
+    kind = r.get("kind", "latency")
+    return kind, r["length"], r["batch"] if kind == "latency" else None
+
+
+def _compiled_cell(r: dict) -> str:
+    if "compile_fallback" in r:
+        return "no (compile failed)"
+    return {True: "yes", False: "no"}.get(r.get("compiled"), "-")
+
+
+def _notes(r: dict) -> str:
+    notes = []
+    if r.get("compiled"):
+        notes.append(f"{r['graphs']} graphs, {r['graph_breaks']} breaks, {r['cudagraph_skips']} CUDA-graph skips")
+        if r["recompiles_in_timed_steps"]:
+            notes.append(f"{r['recompiles_in_timed_steps']} recompiles while timed")
+    if "compile_fallback" in r:
+        notes.append(r["compile_fallback"][:80])
+    if r.get("kind") == "throughput":
+        fits = "fits" if r["fits"] else "OVER"
+        notes.append(f"{fits} {r['cap_bytes'] / 1e9:g} GB (estimated b={r['estimated_batch']})")
+    return "; ".join(notes)
 
 
 def _table(results: list[dict], markdown: bool = False) -> str:
-    """One row per measured case (tok/s from the median step), then the failed and skipped ones."""
-    idx = {(r["method"], r.get("budget"), r["length"], r["batch"]): r for r in results if "step_ms_mean" in r}
+    """One row per measured case (tok/s from the mean step; vs dense: over the fastest dense row of its group), then
+    the failed and skipped ones."""
+    measured = [r for r in results if "tok_s" in r]
+    best_dense: dict[tuple, float] = {}
+    for r in measured:
+        if r["method"] == "dense":
+            best_dense[_group(r)] = max(best_dense.get(_group(r), 0.0), r["tok_s"])
+    quest = {(_group(r), r.get("budget"), r.get("compiled")): r["tok_s"] for r in measured if r["method"] == "quest"}
     rows = []
-    for r in sorted(idx.values(), key=lambda r: (r["length"], r["batch"], r["method"], r.get("budget") or 0)):
-        d = idx.get(("dense", None, r["length"], r["batch"]))
-        q = idx.get(("quest", r.get("budget"), r["length"], r["batch"]))
-        bd = r.get("breakdown_ms") or {}
-        sel = bd.get("scoring", 0) + bd.get("selection", 0) if bd else float("nan")
-        peak = r.get("decode_peak_mb", r.get("peak_gpu_mb", float("nan")))
-        compiles = r.get("compiles_in_timed_steps")
-        rows.append([str(r["length"]), str(r["batch"]), r["method"], str(r.get("budget") or "-"),
-                     f"{r.get('step_ms_median', float('nan')):.2f}", f"{r['step_ms_mean']:.2f}", f"{r['tok_s']:.1f}",
-                     f"{(r['tok_s'] / d['tok_s']) if d else float('nan'):.2f}x",
-                     f"{(r['tok_s'] / q['tok_s']) if q and r['method'] == 'flexicache' else float('nan'):.2f}x",
-                     "-" if compiles is None else str(compiles), f"{peak:.0f}",
-                     f"{r.get('memory', {}).get('device_kv_bytes', 0) / 2**20:.0f}", f"{sel:.2f}"])
-    failed = [[str(r["length"]), str(r["batch"]), r["method"], str(r.get("budget") or "-"), f"FAILED: {r['error']}"]
-              for r in results if "error" in r]
+    for r in sorted(measured, key=lambda r: (r.get("kind", "latency") != "latency", -r["length"], r["batch"])):
+        dense = best_dense.get(_group(r))
+        q = quest.get((_group(r), r.get("budget"), r.get("compiled"))) if r["method"] == "flexicache" else None
+        kernel = next((f"sdpa {k}" for k in _SDPA_KERNELS for name in r.get("sdpa_kernels", ()) if k in name),
+                      f"flexicache {r['flexicache_backend']}" if "flexicache_backend" in r else "-")
+        device_bytes = r.get("device_bytes")
+        rows.append([str(r["length"]), str(r["batch"]), r.get("label", r["method"]), _compiled_cell(r),
+                     f"{r.get('step_ms_p50', math.nan):.2f}", f"{r.get('step_ms_p99', math.nan):.2f}",
+                     f"{r.get('step_ms_max', math.nan):.2f}", f"{r['tok_s']:.1f}",
+                     f"{r['tok_s'] / dense:.2f}x" if dense else "-", f"{r['tok_s'] / q:.2f}x" if q else "-", kernel,
+                     f"{device_bytes / 1e9:.2f}" if device_bytes is not None else "-", _notes(r)])
+    others = [[str(r["length"]), str(r["batch"]), r.get("label", r["method"]),
+               f"FAILED: {r['error']}" if "error" in r else f"skipped: {r['skipped']}"]
+              for r in results if "tok_s" not in r]
     if markdown:
         lines = ["| " + " | ".join(_COLUMNS) + " |", "|" + "---|" * len(_COLUMNS)]
         lines += ["| " + " | ".join(row) + " |" for row in rows]
-        lines += ["| " + " | ".join(row + [""] * (len(_COLUMNS) - len(row))) + " |" for row in failed]
+        lines += ["| " + " | ".join(row + [""] * (len(_COLUMNS) - len(row))) + " |" for row in others]
         return "\n".join(lines)
-    widths = [max(len(c), 6) for c in _COLUMNS]
+    widths = [len(c) for c in _COLUMNS]
     for row in rows:
         widths = [max(w, len(cell)) for w, cell in zip(widths, row)]
     lines = [" ".join(c.rjust(w) for c, w in zip(_COLUMNS, widths))]
     lines += [" ".join(cell.rjust(w) for cell, w in zip(row, widths)) for row in rows]
-    lines += [" ".join(cell.rjust(w) for cell, w in zip(row[:4], widths)) + "  " + row[4] for row in failed]
+    lines += [" ".join(cell.rjust(w) for cell, w in zip(row[:3], widths)) + "  " + row[3] for row in others]
     return "\n".join(lines)
 
 
 def _headline(record: dict) -> str:
-    sanity_ok = (record.get("sanity") or {}).get("ok")
-    mode = "DRY RUN (CPU) " if record.get("dry_run") else ""
-    return (f"{mode}FlexiCache GPU benchmark: random-weight Llama-3.1-8B layer shape x {record['layers']} layers, "
-            f"{record['dtype']}, {record['env'].get('gpu', 'no GPU')}, {record['profile']}, sanity ok={sanity_ok}; "
-            f"{record.get('warmup_steps')} untimed + {record.get('steps')} timed steps per case (CUDA events, median)")
+    env = record["env"]
+    mode = "DRY RUN (CPU) " if record["dry_run"] else ""
+    model = "Llama-3.1-8B's layer shape" if record["model"] == "llama8b" else f"a {record['model']} Llama"
+    return (f"{mode}FlexiCache GPU benchmark: random weights of {model} x {record['layers']} layers, bf16, "
+            f"{env.get('gpu', 'no GPU')}, torch {env.get('torch')}, cuDNN {env.get('cudnn')}, "
+            f"sanity ok={(record.get('sanity') or {}).get('ok')}; per case {record['warmup_steps']} untimed + "
+            f"{record['steps']} timed steps (CUDA events on a GPU): p50 / p99 / max, tok/s from the mean step; "
+            f"budget {record['budget']}; device GB: the decode's, weights excluded")
 
 
 def _write(out: Path, record: dict) -> None:
-    """`gpu_bench.json` and `gpu_bench.md` as they stand (called after every stage and case)."""
+    """`gpu_bench.json` and `gpu_bench.md` as they stand (after the sanity check and after every case)."""
     from .common import write_json
 
     write_json(out / "gpu_bench.json", record)
     (out / "gpu_bench.md").write_text(_headline(record) + "\n\n" + _table(record["results"], markdown=True) + "\n")
-
-
-# -- the dry run ----------------------------------------------------------------------------------------------------
-def _cases(grid):
-    for length, batch, methods, budgets in grid:
-        for method in methods:
-            for budget in (budgets if method in FLEXI else (None,)):
-                yield length, batch, method, budget
 
 
 @contextlib.contextmanager
@@ -456,163 +708,108 @@ def _imports_by_project():
         builtins.__import__ = real
 
 
-def dry_run(args, grid, record: dict, out: Path) -> bool:
-    """The CPU rehearsal (module docstring): every check's outcome lands in `record["dry_run"]`; True when all pass."""
-    import torch
-
-    from fc_hf import kernels
-    from fc_hf.kernels import append, decode, refine, score  # noqa: F401 - the Triton kernels the GPU run launches
-
-    from ..methods import make_cache
-    from .common import build_model, model_config, spread_profile
-
-    checks = record["dry_run"]
-    checks["triton_kernels_imported"] = kernels.__name__
-    # Every case of the grid: its cache, on the model config it runs with (the model itself on the meta device).
-    config = llama8b_config(args.layers, max(g[0] for g in grid) + args.warmup + args.steps + args.phase_steps + 64)
-    meta_model = build_model(config, dtype=torch.bfloat16, device="meta")
-    profile = spread_profile(config, 0.25)
-    built = []
-    for length, batch, method, budget in _cases(grid):
-        cache = make_cache(method, config, budget or 1024, profile if method == "flexicache" else None,
-                           dense_cache=True)
-        built.append(f"{method}@{budget} L={length} b={batch}: {type(cache).__name__}")
-    checks["cases_built"] = built
-    checks["meta_model_parameters"] = sum(p.numel() for p in meta_model.parameters())
-    del meta_model
-    # The timing path on a tiny model on the CPU (offload needs CUDA).
-    tiny = model_config("tiny", max_positions=512)
-    tiny_model = build_model(tiny)
-    tiny_profile = spread_profile(tiny, 0.5)
-    rehearsal = {}
-    for method in ("dense", "quest", "flexicache"):
-        r = time_case(tiny_model, tiny, method, 64, 200, 2, tiny_profile if method == "flexicache" else None,
-                      steps=3, warmup=2, phase_steps=2 if method in FLEXI else 0, device="cpu", dtype=torch.float32)
-        rehearsal[method] = {k: r[k] for k in ("step_ms_median", "tok_s", "compiles_in_timed_steps")}
-        rehearsal[method]["breakdown"] = sorted(r.get("breakdown_ms", {}))
-    checks["timing_rehearsal"] = rehearsal
-    _write(out, record)
-    # The sanity stage's CPU reference, at the model size and prompt the GPU run uses (9 steps: two re-ranks).
-    t0 = time.perf_counter()
-    record["sanity"] = sanity("cpu", steps=9, reference_only=True)
-    checks["sanity_reference_s"] = round(time.perf_counter() - t0, 1)
-    checks["ok"] = bool(record["sanity"]["ok"] and len(built) == len(list(_cases(grid))))
-    return checks["ok"]
+def _dry_run_checks(record: dict) -> dict:
+    """What the CPU rehearsal must show: the sanity check passed, every case measured (compiled ones compiled), the
+    throughput cases fit, nothing imported beyond the stack, the GPU run's plan built."""
+    results = record["results"]
+    foreign = sorted(set(record["imports_beyond_the_stack"]).union(
+        *(w.get("imports_beyond_the_stack", ["(worker did not report)"]) for w in record["workers"])))
+    checks = {
+        "sanity": bool(record["sanity"].get("ok")),
+        "every_case_measured": all("tok_s" in r for r in results) and len(results) == len(record["plan"]),
+        "compiled_cases_compiled": all(r["compiled"] for r in results if VARIANTS[r["label"]].get("compiled")),
+        "throughput_fits": all(r.get("fits") for r in results if r["kind"] == "throughput"),
+        "gpu_plan": [f"{c['label']} @ {c['length']} x {c['batch'] or 'max'}" for c in plan(*_GPU_PLAN)],
+        "imports_beyond_the_stack": foreign,
+    }
+    checks["ok"] = all(checks[k] for k in ("sanity", "every_case_measured", "compiled_cases_compiled",
+                                            "throughput_fits")) and not foreign
+    return checks
 
 
-# -- main -----------------------------------------------------------------------------------------------------------
-def _record(args, env: dict, deadline: float, argv) -> dict:
-    return {"suite": "gpu", "env": env, "argv": sys.argv[1:] if argv is None else argv, "layers": args.layers,
-            "dtype": "bf16", "steps": args.steps, "warmup_steps": args.warmup, "phase_steps": args.phase_steps,
-            "deadline_s": deadline, "backend": os.environ.get("FLEXICACHE_BACKEND", "auto"), "results": []}
+_GPU_PLAN = (((32768, 8), (10240, 40)), 32768)  # --shapes and --throughput-context of the GPU run
+# Tiny shapes whose contexts hold more pages than the budget (the rankings choose), a cap of a few sequences.
+_DRY_RUN = dict(device="cpu", model="tiny", layers=2, shapes=[(160, 2), (96, 3)], throughput_context=160, budget=64,
+                steps=3, warmup=2, cap_gb=0.0005, compile_backend="aot_eager", sanity_steps=9, time_budget_s=240.0)
 
 
-def _dry_run_main(args, argv) -> int:
-    """`--dry-run`: `dry_run` with every import statement of the project's code checked (`_imports_by_project`), on
-    every case of both grids."""
-    start = time.perf_counter()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    record = {"dry_run": {}, "env": {}, "layers": args.layers, "dtype": "bf16", "profile": "-", "results": []}
-    with _imports_by_project() as foreign:
-        try:
-            from .common import environment
+def _tokens(text: str) -> int:
+    """"32k" -> 32768."""
+    return int(float(text[:-1]) * 1024) if text.lower().endswith("k") else int(text)
 
-            record.update(_record(args, environment(), 0.0, argv), dry_run={}, profile="spread 25% of heads")
-            ok = dry_run(args, QUICK_GRID + DEFAULT_GRID, record, out)
-        except Exception as e:
-            record["dry_run"].update(ok=False, error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc())
-            ok = False
-    record["dry_run"]["imports_beyond_the_stack"] = sorted(foreign)
-    record["dry_run"]["ok"] = ok = ok and not foreign
-    record["total_s"] = time.perf_counter() - start
-    _write(out, record)
-    print(json.dumps(record["dry_run"], indent=1))
-    print(f"dry run {'ok' if ok else 'FAILED'} in {record['total_s']:.1f} s; files in {out}")
-    return 0 if ok else 1
+
+def _shapes(text: str) -> list[tuple[int, int]]:
+    """"32k:8,10k:40" -> [(32768, 8), (10240, 40)]."""
+    return [(_tokens(length), int(batch)) for length, batch in (item.split(":") for item in text.split(","))]
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="gpu_bench.sh", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=os.environ.get("OUT", "results/gpu"))
     p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--steps", type=int, default=32, help="timed decode steps per case")
-    p.add_argument("--warmup", type=int, default=20, help="untimed steps before them (a page and a re-rank at least)")
-    p.add_argument("--phase-steps", type=int, default=16, help="steps of the separate per-phase pass (0: none)")
-    p.add_argument("--deadline-s", type=float, default=None,
-                   help="start no case that would end after this many seconds (default 300; --quick 90)")
-    p.add_argument("--quick", action="store_true", help="two small cases only (about 2 minutes in all)")
-    p.add_argument("--dry-run", action="store_true", help="CPU rehearsal: imports, every case built, the CPU reference")
+    p.add_argument("--steps", type=int, default=100, help="timed decode steps per case")
+    p.add_argument("--warmup", type=int, default=20, help="untimed steps after the first (compile, CUDA graphs)")
+    p.add_argument("--sanity-steps", type=int, default=24, help="teacher-forced steps of each sanity case")
+    p.add_argument("--shapes", type=_shapes, default=list(_GPU_PLAN[0]),
+                   help="context:batch,... (default 32k:8,10k:40)")
+    p.add_argument("--throughput-context", type=_tokens, default=_GPU_PLAN[1], help="0: no throughput case")
+    p.add_argument("--budget", type=int, default=1024, help="FlexiCache's and Quest's token budget")
+    p.add_argument("--cap-gb", type=float, default=40.0, help="the throughput case's device memory, weights excluded")
+    p.add_argument("--time-budget-s", type=float, default=None,
+                   help="start no case that would end later (420 s; --quick 200 s)")
+    p.add_argument("--quick", action="store_true", help="one small shape, no throughput case (about 3 minutes)")
+    p.add_argument("--dry-run", action="store_true", help="the CPU rehearsal: tiny shapes, aot_eager, a few steps")
+    p.add_argument("--compile-backend", default="inductor",
+                   help="inductor (as generate compiles); another torch.compile backend, e.g. aot_eager, rehearses")
     p.add_argument("--device", default="cuda", help="cuda (default); cpu only to try the script's logic")
+    p.add_argument("--model", default="llama8b", choices=("llama8b", "tiny"))
+    p.add_argument("--worker", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.worker:
+        return worker(json.loads(args.worker))
+    if args.warmup < 1:
+        p.error("--warmup must be at least 1: a compiled case compiles in its first untimed step")
     if args.dry_run:
-        return _dry_run_main(args, argv)
-    deadline = args.deadline_s if args.deadline_s is not None else (90.0 if args.quick else 300.0)
-
-    import torch
-
-    from . import common
-    from .common import environment, spread_profile
-
-    start = time.perf_counter()
-    device, dtype = args.device, torch.bfloat16
-    grid = QUICK_GRID if args.quick else DEFAULT_GRID
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    record = _record(args, environment(), deadline, argv)
-    if device == "cuda" and not torch.cuda.is_available():
+        vars(args).update(_DRY_RUN)
+    elif args.quick:
+        args.shapes, args.throughput_context = [(4096, 4)], 0
+    if args.time_budget_s is None:
+        args.time_budget_s = 200.0 if args.quick else 420.0
+    if args.device == "cuda" and not torch.cuda.is_available():
         print("bench gpu: no CUDA device; nothing to do (--dry-run rehearses on a CPU)", file=sys.stderr)
         return 2
-    max_len = max(g[0] for g in grid) + args.warmup + args.steps + args.phase_steps + 64
-    config = llama8b_config(args.layers, max_len)
-    record["profile"] = f"spread {round(0.25 * args.layers * 8)}/{args.layers * 8} heads"
-    try:
+    start, deadline = time.perf_counter(), time.time() + args.time_budget_s
+    out = Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    with _imports_by_project() as foreign:  # the project's modules are first imported inside (lazily)
+        record = {"suite": "gpu", "dry_run": args.dry_run, "env": _environment(),
+                  "argv": sys.argv[1:] if argv is None else argv, "model": args.model, "layers": args.layers,
+                  "steps": args.steps, "warmup_steps": args.warmup, "budget": args.budget,
+                  "time_budget_s": args.time_budget_s, "cap_gb": args.cap_gb, "settings": _settings(args),
+                  "plan": plan(args.shapes, args.throughput_context, args.budget), "sanity": {},
+                  "results": [], "workers": []}
         try:
-            record["sanity"] = sanity(device)
-        except Exception as e:  # keep going: the timing is still worth having (the exit status reports it)
-            record["sanity"] = {"ok": False, "error": f"{type(e).__name__}: {e}",
-                                "traceback": traceback.format_exc(limit=5)}
-        print(f"sanity: {record['sanity']}", flush=True)
-        _write(out, record)
-        try:
-            model, model_error = common.build_model(config, dtype=dtype, device=device), None
-        except Exception as e:
-            model, model_error = None, f"model build failed: {type(e).__name__}: {str(e)[:200]}"
-        profile = spread_profile(config, 0.25)
-        longest = 0.0
-        for length, batch, method, budget in _cases(grid):
-            if model_error or time.perf_counter() - start + 1.5 * longest > deadline:
-                record["results"].append({"method": method, "budget": budget, "length": length, "batch": batch,
-                                          "error": model_error or f"skipped (deadline {deadline:.0f} s)"})
-                continue
-            t0 = time.perf_counter()
-            try:
-                r = time_case(model, config, method, budget or 1024, length, batch,
-                              profile if method == "flexicache" else None, steps=args.steps, warmup=args.warmup,
-                              phase_steps=args.phase_steps, device=device, dtype=dtype)
-            except Exception as e:  # OOM or a kernel failure: record and go on
-                r = {"method": method, "budget": budget, "length": length, "batch": batch,
-                     "error": f"{type(e).__name__}: {str(e)[:200]}"}
-                _release(device == "cuda")
-            r["wall_s"] = time.perf_counter() - t0
-            longest = max(longest, r["wall_s"])
-            record["results"].append(r)
+            _run(args, record, out, deadline)
+        except KeyboardInterrupt:  # the shell script's hard limit: keep what was measured
+            record["interrupted"] = True
+        finally:
+            record["imports_beyond_the_stack"] = sorted(foreign)
+            if args.dry_run:
+                record["dry_run_checks"] = _dry_run_checks(record)
+            record["total_s"] = time.perf_counter() - start
             _write(out, record)
-            msg = (f"{r['step_ms_median']:.2f} ms/step median, {r.get('compiles_in_timed_steps')} compiles"
-                   if "step_ms_median" in r else r["error"])
-            print(f"L={length} b={batch} {method} B={budget}: {msg} [{r['wall_s']:.1f} s]", flush=True)
-    except KeyboardInterrupt:  # the shell script's hard time limit: keep what was measured
-        record["interrupted"] = True
-    finally:
-        record["total_s"] = time.perf_counter() - start
-        _write(out, record)
     print()
     print(_headline(record))
     print(_table(record["results"]))
     print(json.dumps({"total_s": round(record["total_s"], 1), "interrupted": record.get("interrupted", False)}))
-    if not record.get("sanity", {}).get("ok"):
-        print(f"SANITY CHECK FAILED: FlexiCache on {device} does not match the CPU reference (rtol {SANITY_RTOL}) or "
-              f"copied through pageable memory; see 'sanity' in {out / 'gpu_bench.json'}", file=sys.stderr)
+    if args.dry_run:
+        checks = record["dry_run_checks"]
+        print(json.dumps(checks, indent=1))
+        print(f"dry run {'ok' if checks['ok'] else 'FAILED'} in {record['total_s']:.1f} s; files in {out}")
+        return 0 if checks["ok"] else 1
+    if not record["sanity"].get("ok"):
+        print(f"SANITY CHECK FAILED: FlexiCache on {args.device} does not match the CPU reference (rtol {SANITY_RTOL}) "
+              f"or copied through pageable memory; see 'sanity' in {out / 'gpu_bench.json'}", file=sys.stderr)
         return 1
     return 130 if record.get("interrupted") else 0
 
