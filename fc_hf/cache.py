@@ -104,7 +104,7 @@ class FlexiCache(Cache):
             raise ValueError(f"max_cache_len must be a positive number of tokens or None, got {max_cache_len!r}.")
         self.cache_config = cfg
         self.profile = profile
-        self.max_cache_len = max_cache_len
+        self._max_cache_len = max_cache_len
         self.capacity = 0  # tokens per sequence every FlexiCache layer has room for (0: nothing allocated yet)
         self.auto: OnlineClassifier | None = None  # profile="auto": the warm-up trace and its classification
         self._model_text_config = text
@@ -403,7 +403,7 @@ class FlexiCache(Cache):
         (its `max_length`), else `tokens` plus `DEFAULT_DECODE_ROOM`; under `max_device_pages`, at most what fits (and
         refused, before anything is written, if `tokens` do not)."""
         if not self.capacity:
-            wanted = self.max_cache_len or generate_max_length() or tokens + DEFAULT_DECODE_ROOM
+            wanted = self._max_cache_len or generate_max_length() or tokens + DEFAULT_DECODE_ROOM
             floor = 2 * self.cache_config.page_size  # a ranking's page being filled and one more
             self.capacity = self._bounded(max(wanted, tokens, floor), max(tokens, floor), batch)
         return self.capacity
@@ -482,6 +482,12 @@ class FlexiCache(Cache):
             bias = self._block_biases[layer.device] = StepBias.for_block(
                 self.step_bias(layer), mask if isinstance(mask, torch.Tensor) else None, positions)
         return bias
+
+    @property
+    def max_cache_len(self) -> int | None:
+        """The capacity asked for (`None`: sized by `generate`). Stored apart: a read-only property of `Cache` on
+        transformers 5.17."""
+        return self._max_cache_len
 
     @property
     def is_compileable(self) -> bool:
