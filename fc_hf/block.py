@@ -31,6 +31,18 @@ from .tiers import newly_resident, plan_windows, window_pages_of
 
 
 @dataclass
+class LayerMark:
+    """A layer as it stood before a decode token."""
+
+    length: int
+    rank_all: bool
+    carried: tuple
+    promoted: torch.Tensor
+    win_pages: torch.Tensor  # [N_S + 1, W]
+    win_shift: torch.Tensor  # [N_S + 1]
+
+
+@dataclass
 class BlockPlan:
     """Which rows rank at which step of a block of `t` tokens, on the host. Entries are the unstable rows of every
     step (step-major), then the stable rows due at each step: `rows`, `steps`, `local` (among the stable rows, -1 for an
@@ -256,8 +268,6 @@ class _Before:
     def marks(self, layer, plan: BlockPlan, carried, made: _Windows | None) -> list:
         """The state before each token `j`: every ranking of the steps before `j` applied (the carried candidates,
         the windows and the pages promoted), the count of tokens `length + j`."""
-        from .verify import LayerMark  # noqa: PLC0415 - verify imports this module
-
         t, dev = plan.t, self.promoted.device
         rows = layer.store.n + 1
         first = plan.n_unstable

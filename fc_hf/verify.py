@@ -15,26 +15,12 @@ masked, until overwritten; the MinMax entry of the page being filled is recomput
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from . import decode
-from .block import attend_block
+from .block import LayerMark, attend_block
 from .errors import FlexiCacheError
 from .grad_modes import storage_mode
-
-
-@dataclass
-class LayerMark:
-    """A layer as it stood before a decode token."""
-
-    length: int
-    rank_all: bool
-    carried: tuple
-    promoted: torch.Tensor
-    win_pages: torch.Tensor  # [N_S + 1, W]
-    win_shift: torch.Tensor  # [N_S + 1]
 
 
 class VerifiedDecoding:
