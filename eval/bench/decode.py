@@ -47,8 +47,9 @@ BENCH_METHODS = ("dense", "floor") + FLEXI_METHODS  # what --methods of the deco
 
 # -- workers (run in a subprocess) ----------------------------------------------------------------
 def decode_case(model, config, method, budget, length, batch, steps, profile, device="cpu", dtype=None,
-                options: dict | None = None) -> dict:
-    """Time `steps` decode steps of `method` after a random-K/V prefill of `length` tokens, batch `batch`.
+                options: dict | None = None, warmup: int = 0) -> dict:
+    """Time `steps` decode steps of `method` after a random-K/V prefill of `length` tokens, batch `batch`, the first
+    step and `warmup` more untimed.
 
     `method` "floor" is dense attention over a cache of `min(budget, length)` tokens (the row still reports
     `length`, the context it stands in for; `cache_tokens` is what the cache held before step 1).
@@ -62,7 +63,7 @@ def decode_case(model, config, method, budget, length, batch, steps, profile, de
     cuda = torch.device(device).type == "cuda"
     context = min(budget, length) if floor else length  # tokens in the cache before step 1 (positions follow it)
     result = {"method": method, "budget": budget if flexi or floor else None, "length": length, "batch": batch,
-              "steps": steps, "cache_tokens": context}
+              "steps": steps, "warmup_steps": warmup, "cache_tokens": context}
     if flexi and options:
         result["options"] = dict(options)
     if cuda:
@@ -72,7 +73,7 @@ def decode_case(model, config, method, budget, length, batch, steps, profile, de
     with PeakRSS() as rss, torch.no_grad():
         base = base_config(options, budget) if flexi else None
         # Room for the context and every step timed, as generate sizes a cache (a FlexiCache scores its capacity).
-        cache = bench_cache(cache_method, config, budget, profile, base=base, tokens=context + 1 + steps)
+        cache = bench_cache(cache_method, config, budget, profile, base=base, tokens=context + 1 + warmup + steps)
         t0 = now(device)
         ingest_random_kv(cache, config, batch, context, dtype=dtype, device=device)
         result["ingest_s"] = now(device) - t0
@@ -82,10 +83,12 @@ def decode_case(model, config, method, budget, length, batch, steps, profile, de
         t0 = now(device)
         token = decode_step(model, cache, kwarg, token, context)  # step 1: every stable row ranks, windows filled
         result["first_step_ms"] = (now(device) - t0) * 1e3
+        for i in range(warmup):
+            token = decode_step(model, cache, kwarg, token, context + 1 + i)
         times = []
         for i in range(steps):
             t0 = now(device)
-            token = decode_step(model, cache, kwarg, token, context + 1 + i)
+            token = decode_step(model, cache, kwarg, token, context + 1 + warmup + i)
             times.append((now(device) - t0) * 1e3)
         if flexi:
             result["memory"] = cache.memory_report()
@@ -102,6 +105,9 @@ def decode_case(model, config, method, budget, length, batch, steps, profile, de
         step_ms_mean=mean,
         step_ms_median=times_sorted[len(times) // 2],
         step_ms_min=times_sorted[0],
+        # the tail: a step that re-ranks more rows, or waits on the host, shows here and not in the median
+        step_ms_p99=times_sorted[min(len(times) - 1, -(-99 * len(times) // 100) - 1)],
+        step_ms_max=times_sorted[-1],
         step_ms=times,
         tok_s=batch * 1e3 / mean,
         peak_rss_mb=rss.peak_mb,
@@ -161,7 +167,7 @@ def worker(spec: dict) -> int:
                               options=case.get("options"), variant=case.get("paired_variant"))
         else:
             res = decode_case(model, config, case["method"], case["budget"], case["length"], case["batch"],
-                              spec["steps"], profile, options=case.get("options"))
+                              spec["steps"], profile, options=case.get("options"), warmup=spec.get("warmup", 0))
         if case.get("variant"):
             res["variant"] = case["variant"]
         res.update(common)
@@ -293,6 +299,7 @@ def _decode_groups(args) -> list[dict]:
     groups = []
     for model, length, batch in keys:
         groups.append({"kind": "decode", "model": model, "lengths": [length], "steps": args.steps,
+                       "warmup": args.warmup_steps,
                        "layers": args.llama_layers if model == "llama8b" else None, "threads": args.threads,
                        "unstable_fraction": args.unstable_fraction,
                        "cases": _method_cases(methods, budgets, length, batch, variants)})

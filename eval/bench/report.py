@@ -312,6 +312,19 @@ def _memory_per_method_table(decode) -> str:
                    "host KV MB", "metadata MB", "dense KV MB", "cache fill s", "first step ms"], rows)
 
 
+def _tail_table(decode) -> str:
+    """Per decode case the median, 99th percentile and slowest step: staggered re-ranks make every step alike."""
+    rows = []
+    for r in sorted(decode, key=lambda r: (r["model"] != "smollm2", r["model"], r["batch"], r["length"], r["method"], r.get("budget") or 0, r.get("variant") or "")):
+        if "step_ms_p99" not in r:
+            continue
+        rows.append([r["model"], _method_label(r), r.get("budget") or "–", r["batch"], _k(r["length"]), r["steps"],
+                     r.get("warmup_steps", 0), _f(r["step_ms_median"]), _f(r["step_ms_p99"]), _f(r["step_ms_max"]),
+                     _f(r["step_ms_p99"] / r["step_ms_median"], 2) + "×"])
+    return _table(["model", "method", "budget", "batch", "context", "timed steps", "untimed after step 1",
+                   "median ms", "p99 ms", "slowest ms", "p99 / median"], rows)
+
+
 def _bandwidth_table(decode) -> str:
     rows = []
     for r in sorted(decode, key=lambda r: (r["model"] != "smollm2", r["model"], r["batch"], r["length"], r["method"], r.get("budget") or 0, r.get("variant") or "")):
@@ -418,6 +431,8 @@ def write_report(out: Path, docs: Path) -> Path:
         table, _ = _targets(decode, rerank)
         md += ["## Issue 7 targets", "", table, ""]
         md += ["## Decode throughput", ""] + [p + "\n" for p in _decode_tables(decode)]
+        md += ["## Step tail", "", "The no-stall target (issue 49): the 99th-percentile step at most 1.5× the median.", "",
+               _tail_table(decode), ""]
         if _has_side_by_side(decode):
             md += ["### Side by side: the floor and configuration variants", "", SIDE_BY_SIDE_TEXT, ""]
             md += [p + "\n" for p in side_by_side_tables(decode)]
