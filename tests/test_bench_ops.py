@@ -130,21 +130,6 @@ def test_a_left_padded_batch_is_counted_with_its_mask(tiny, monkeypatch):
         assert ok[0].all() and not ok[2, :40].any() and ok[2, 40:].all()
 
 
-def test_triton_rows_are_skipped_while_no_triton_kernel_launches(capsys):
-    """`--ops-backends triton`: a FlexiCache case whose steps launch no Triton kernel (the PyTorch backend ran) is not
-    written as a Triton row; the worker says why."""
-    spec = {"shape": "tiny", "backend": "triton", "methods": ["dense", "quest"], "budget": BUDGET, "prompt": PROMPT,
-            "steps": 2, "unstable_fraction": 0.25, "options": {}}
-    threads = torch.get_num_threads()
-    try:
-        assert bench_ops.worker(spec) == 0
-    finally:
-        torch.set_num_threads(threads)
-    out = capsys.readouterr()
-    assert not [line for line in out.out.splitlines() if line.startswith("{")]
-    assert "tiny quest: no Triton kernel launched with backend='triton'" in out.err
-
-
 def test_regenerated_report_keeps_the_ops_section(tmp_path):
     from fc_hf.eval.bench import report as bench_report
 
