@@ -1,7 +1,8 @@
 """The decode step of one FlexiCache layer: append the token, rank the rows due, move their windows, attend.
 
 Fixed shapes and device tensors only, no host number that changes from step to step and no host sync, so the step
-compiles once and replays (CUDA graphs), and an eager step is the same launches at every step. Per layer and step:
+compiles once and replays (CUDA graphs). An eager step ranks only the stable rows of its phase (known on the host), so
+its launches repeat with the period `rerank_interval`. Per layer and step:
 - `append`: the token goes into every row's full tier, each stable row's window, and the MinMax entry of its sub-page;
 - `attend`: the unstable rows and this step's stable rows (`fc_hf/schedule.py`; all of them at the first step after a
   prompt) rank in one `PageSelector.rank`; the stable rows that ranked get their new windows (`fc_hf/tiers.py`; with
@@ -83,7 +84,10 @@ def attend(layer, query: torch.Tensor, ctx: DecodeContext, attention_mask, scali
     stable_ranked = None
     if n_s and layer.rank_all:  # the first step after a prompt: every stable row, its new window at once
         stable_ranked = layer.stable_all
-    elif n_s:
+    elif n_s and layer.host_step is not None:  # eager: this phase's rows, none on a phase without any
+        stable_ranked = layer.phase_rows[layer.host_step % layer.cfg.rerank_interval]
+        stable_ranked = stable_ranked if stable_ranked.numel() else None
+    elif n_s:  # compiled: the phase's rows padded to `ceil(n_s / R)` places (the same graph every step)
         stable_ranked = ctx.due(n_s, layer.cfg.rerank_interval, layer.places)
     ranking = None
     if n_e or stable_ranked is not None:
@@ -95,11 +99,12 @@ def attend(layer, query: torch.Tensor, ctx: DecodeContext, attention_mask, scali
         _attend_unstable(layer, q, ranking, bias, scaling, softcap, out)
     deferred = layer.cfg.promotion == "deferred" and not layer.rank_all
     if n_s:
-        if not deferred:
+        moves = stable_ranked is not None
+        if moves and not deferred:
             _move(layer, ranking, stable_ranked, n_e, bias)
         layer.note_windows()
         _attend_windows(layer, q, bias, scaling, softcap, out)
-        if deferred:
+        if moves and deferred:
             _move(layer, ranking, stable_ranked, n_e, bias)
         layer.rank_all = False
     if rows.n_streaming:

@@ -16,7 +16,7 @@ from transformers.cache_utils import CacheLayerMixin
 from . import decode
 from .errors import FlexiCacheError
 from .rows import HeadKinds
-from .schedule import ranked_rows, rows_per_step
+from .schedule import phase_range, ranked_rows, rows_per_step
 from .selection import PageSelector
 from .store import PageStore, window_pages
 from .verify import VerifiedDecoding
@@ -90,6 +90,7 @@ class FlexiCacheLayer(VerifiedDecoding, CacheLayerMixin):
         self.prompt_end = 0  # tokens held when the last prompt ended
         self.turn_steps: list[int] = []  # decode steps of each earlier turn (stats)
         self.last_ranking = None  # (pages [N_E, K] of the unstable rows) of the last eager decode step (inspection)
+        self.host_step: int | None = None  # an eager decode step's step since the last prompt (None when compiled)
         # Inspection (eval tools), off by default: the rows ranked and the pages each row read at the last eager step.
         self.record_reads = False
         self.last_reads: dict | None = None
@@ -140,6 +141,10 @@ class FlexiCacheLayer(VerifiedDecoding, CacheLayerMixin):
         self.stable_rows = torch.cat([rows.stable, rows.stable.new_full((1,), store.n)])  # the extra row: padding
         self.stable_all = torch.arange(rows.n_stable, device=dev)
         self.places = torch.arange(rows_per_step(rows.n_stable, self.cfg.rerank_interval), device=dev)
+        # An eager step knows its step on the host: it ranks only its phase's rows (`phase_rows`), no padded place.
+        interval = self.cfg.rerank_interval
+        self.phase_rows = [torch.arange(*phase_range(phase, rows.n_stable, interval), device=dev)
+                           for phase in range(interval)]
         self.every_row_unstable = rows.n_unstable == store.n
         self.every_row_stable = rows.n_stable == store.n
         k, sink = min(self.cfg.pages_per_head, store.pages), self.cfg.streaming_sink_pages
@@ -274,6 +279,7 @@ class FlexiCacheLayer(VerifiedDecoding, CacheLayerMixin):
         if own_context:
             self.context = self.owner.fresh_context(self)
         held = None if torch.compiler.is_compiling() else self.owner.host_length(self)
+        self.host_step = None if held is None else held - self.prompt_end + 1
         decode.append(self, key, value, self.context)
         if held is not None:
             self.owner.wrote(self, held + 1)

@@ -52,12 +52,17 @@ def test_counts_per_method_first_step_and_the_steps_after(tiny):
     assert FlexiCacheConfig().rerank_interval == 8
     for m in cases:
         assert s[m]["first"]["steps"] == 1 and s[m]["steady"]["steps"] == STEPS - 1
-        # A decode step is one fixed sequence of ops: steps 2..16 issue the same ops, though pages fill (step 12) and
-        # open (step 13) among them and R divides steps 8 and 16.
+        # A step's ops depend on nothing that changes as pages fill (step 12) and open (step 13): dense's and Quest's
+        # steps 2..16 issue the same ops; an eager FlexiCache step ranks the stable rows of its phase, so its ops repeat
+        # with the period R = 8 (step s as step s + 8), whatever the pages.
         steady = s[m]["steady"]
-        assert steady["min_ops_per_layer"] == steady["max_ops_per_layer"] == steady["ops_per_layer"], m
-        assert len({(st["layer_ops"], st["cache_ops"], st["attn_ops"], st["outside_ops"])
-                    for st in cases[m]["steps"][1:]}) == 1, m
+        ops = [(st["layer_ops"], st["cache_ops"], st["attn_ops"], st["outside_ops"]) for st in cases[m]["steps"]]
+        if m == "flexicache":
+            assert all(ops[i] == ops[i + 8] for i in range(1, STEPS - 8)), ops
+            assert steady["min_ops_per_layer"] < steady["max_ops_per_layer"]  # phases with and without a stable row
+        else:
+            assert steady["min_ops_per_layer"] == steady["max_ops_per_layer"] == steady["ops_per_layer"], m
+            assert len(set(ops[1:])) == 1, m
         # No decode step syncs with the host, the first included.
         assert s[m]["first"]["syncs_per_step"] == s[m]["steady"]["syncs_per_step"] == 0, (m, s[m]["steady"]["sync_kinds"])
         assert all(st["outside_ops"] > 0 for st in cases[m]["steps"])
