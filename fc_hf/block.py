@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .decode import attend_chosen
 from .kernels import dispatch as kernels
 from .tiers import newly_resident, plan_windows, window_pages_of
 
@@ -156,24 +157,10 @@ def attend_block(layer, query: torch.Tensor, keys: torch.Tensor, values: torch.T
 
 def _unstable(layer, q, ranking, e_rows, e_steps, seq, m, bias, scaling, softcap, out) -> None:
     """The unstable rows of every step over their chosen pages (the ranking's logits re-used, as a step does)."""
-    store = layer.store
-    p, n = store.page_size, store.n
-    chosen = ranking.pages[:m]
-    k = chosen.shape[1]
-    at = (e_rows[:m, None] * store.pages + chosen).view(-1)
-    backend = layer.cfg.backend
-    vals = kernels.gather_pages(store.full_v.view(-1, p, store.value_dim), at, backend=backend).view(m, k * p, -1)
-    if ranking.logits is not None and softcap is None:
-        logits = ranking.logits[:m]
-        g = logits.shape[1]
-        logits = logits.gather(2, ranking.top[:m, None, :, None].expand(m, g, k, p)).view(m, g, k * p)
-        result = kernels.attention_from_logits(logits, vals, backend=backend)
-    else:
-        keys = kernels.gather_pages(store.full_k.view(-1, p, store.head_dim), at, backend=backend).view(m, k * p, -1)
-        tok = bias.page_rows.index_select(0, (seq[:m, None] * (store.pages + 1) + chosen).view(-1)).view(m, -1)
-        result = kernels.attention(q.index_select(0, e_steps[:m] * n + e_rows[:m]), keys, vals, tok, scaling, softcap,
-                                   backend=backend)
-    out.index_copy_(0, e_steps[:m] * n + e_rows[:m], result)
+    at = e_steps[:m] * layer.store.n + e_rows[:m]
+    result = attend_chosen(layer, ranking, m, e_rows[:m, None] * layer.store.pages, lambda: q.index_select(0, at),
+                           lambda: seq[:m], bias, scaling, softcap)
+    out.index_copy_(0, at, result)
 
 
 @dataclass

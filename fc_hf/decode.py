@@ -126,24 +126,32 @@ def _write(out: torch.Tensor, rows: torch.Tensor, every_row: bool, result: torch
 
 
 def _attend_unstable(layer, q, ranking: Ranking, bias: StepBias, scaling, softcap, out) -> None:
-    store, rows, backend = layer.store, layer.store.rows, layer.cfg.backend
-    n_e, p = rows.n_unstable, store.page_size
-    chosen = ranking.pages[:n_e]
-    k = chosen.shape[1]
-    at = (layer.unstable_page_starts + chosen).view(-1)
-    values = kernels.gather_pages(store.full_v.view(-1, p, store.value_dim), at, backend=backend).view(n_e, k * p, -1)
-    if ranking.logits is not None and softcap is None:  # the ranking's own logits of the chosen pages
-        logits = ranking.logits[:n_e]
-        g = logits.shape[1]
-        logits = logits.gather(2, ranking.top[:n_e, None, :, None].expand(n_e, g, k, p)).view(n_e, g, k * p)
-        result = kernels.attention_from_logits(logits, values, backend=backend)
-    else:
-        keys = kernels.gather_pages(store.full_k.view(-1, p, store.head_dim), at, backend=backend).view(n_e, k * p, -1)
-        seq = rows.batch_of.index_select(0, rows.unstable)
-        tok = bias.page_rows.index_select(0, (seq[:, None] * (store.pages + 1) + chosen).view(-1)).view(n_e, -1)
-        q_e = q if layer.every_row_unstable else q.index_select(0, rows.unstable)
-        result = kernels.attention(q_e, keys, values, tok, scaling, softcap, backend=backend)
+    store, rows = layer.store, layer.store.rows
+    result = attend_chosen(layer, ranking, rows.n_unstable, layer.unstable_page_starts,
+                           lambda: q if layer.every_row_unstable else q.index_select(0, rows.unstable),
+                           lambda: rows.batch_of.index_select(0, rows.unstable), bias, scaling, softcap)
     _write(out, rows.unstable, layer.every_row_unstable, result)
+
+
+def attend_chosen(layer, ranking: Ranking, m: int, page_starts: torch.Tensor, queries, sequences, bias: StepBias,
+                  scaling, softcap) -> torch.Tensor:
+    """Attention of the first `m` rows of `ranking` over the pages it chose for them -> `[m, G, Dv]`: the ranking's own
+    logits of those pages re-used where it kept them (refinement, no softcap), else their keys gathered. `page_starts
+    [m, 1]`: each row's first page in the full tier; `queries()` and `sequences()` give the rows' queries `[m, G, D]`
+    and sequences `[m]`, read only on the second path."""
+    store, backend, p = layer.store, layer.cfg.backend, layer.store.page_size
+    chosen = ranking.pages[:m]
+    k = chosen.shape[1]
+    at = (page_starts + chosen).view(-1)
+    values = kernels.gather_pages(store.full_v.view(-1, p, store.value_dim), at, backend=backend).view(m, k * p, -1)
+    if ranking.logits is not None and softcap is None:  # the ranking's own logits of the chosen pages
+        logits = ranking.logits[:m]
+        g = logits.shape[1]
+        logits = logits.gather(2, ranking.top[:m, None, :, None].expand(m, g, k, p)).view(m, g, k * p)
+        return kernels.attention_from_logits(logits, values, backend=backend)
+    keys = kernels.gather_pages(store.full_k.view(-1, p, store.head_dim), at, backend=backend).view(m, k * p, -1)
+    tok = bias.page_rows.index_select(0, (sequences()[:, None] * (store.pages + 1) + chosen).view(-1)).view(m, -1)
+    return kernels.attention(queries(), keys, values, tok, scaling, softcap, backend=backend)
 
 
 def _attend_windows(layer, q, bias: StepBias, scaling, softcap, out) -> None:

@@ -9,7 +9,7 @@ change inside a block are ranked again until they settle.
 import pytest
 import torch
 from conftest import tiny_config
-from test_speculative import SCALE, _batched, _forward, _prefill, assert_same_state
+from test_speculative import _batched, _forward, _prefill, assert_same_state
 
 import fc_hf.decode as decode
 from fc_hf import FlexiCache, FlexiCacheConfig, HeadProfile
@@ -34,14 +34,6 @@ def _caches(cfg, kv_heads=2, heads=4, length=160, seed=0):
     queries = torch.randn(2, heads, length, 16, generator=g)
     block, loop = (FlexiCache(config, cfg, profile) for _ in range(2))
     return _batched(block, True), _batched(loop, False), kv, queries
-
-
-def _attend(cache, keys, values, queries, softcap=None):
-    outs = []
-    for idx, layer in enumerate(cache.layers):
-        cache.update(keys, values, idx)
-        outs.append(layer.attend(queries, None, SCALE, softcap))
-    return outs
 
 
 def _assert_same_marks(a, b):
@@ -73,7 +65,7 @@ def test_block_outputs_marks_and_state_are_the_loops(name, softcap):
     while length < 140:
         t = int(torch.randint(1, 8, (1,), generator=g))
         span = slice(length, length + t)
-        got, want = (_attend(c, keys[:, :, span], values[:, :, span], queries[:, :, span], softcap)
+        got, want = (_forward(c, keys[:, :, span], values[:, :, span], queries[:, :, span], softcap=softcap)
                      for c in (block, loop))
         for x, y in zip(got, want):
             assert torch.allclose(x, y, rtol=0, atol=1e-5), (x - y).abs().max()
@@ -119,9 +111,9 @@ def test_carried_candidates_that_change_inside_a_block_are_ranked_again(monkeypa
     for start in range(30, 150, 8):
         span = slice(start, start + 8)
         redone.clear()
-        got = _attend(block, keys[:, :, span], values[:, :, span], queries[:, :, span])
+        got = _forward(block, keys[:, :, span], values[:, :, span], queries[:, :, span])
         rounds += len(redone) - len(block.layers)  # one first round per layer; the rest re-ranked changed entries
-        want = _attend(loop, keys[:, :, span], values[:, :, span], queries[:, :, span])
+        want = _forward(loop, keys[:, :, span], values[:, :, span], queries[:, :, span])
         for x, y in zip(got, want):
             assert torch.allclose(x, y, rtol=0, atol=1e-5)
         block.crop(0), loop.crop(0)  # every token kept

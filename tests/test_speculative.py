@@ -49,12 +49,12 @@ def _prefill(cache, keys, values):
         cache.update(keys, values, idx)
 
 
-def _forward(cache, keys, values, queries, mask=None):
+def _forward(cache, keys, values, queries, mask=None, softcap=None):
     """One forward of `T = keys.shape[2]` decode tokens through every layer: update, then FlexiCache's attention."""
     outs = []
     for idx, layer in enumerate(cache.layers):
         cache.update(keys, values, idx)
-        outs.append(layer.attend(queries, mask, SCALE, None))
+        outs.append(layer.attend(queries, mask, SCALE, softcap))
     return outs
 
 
