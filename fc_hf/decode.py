@@ -85,8 +85,7 @@ def attend(layer, query: torch.Tensor, ctx: DecodeContext, attention_mask, scali
     if n_s and layer.rank_all:  # the first step after a prompt: every stable row, its new window at once
         stable_ranked = layer.stable_all
     elif n_s and layer.host_step is not None:  # eager: this phase's rows, none on a phase without any
-        stable_ranked = layer.phase_rows[layer.host_step % layer.cfg.rerank_interval]
-        stable_ranked = stable_ranked if stable_ranked.numel() else None
+        stable_ranked = layer.phase_rows(layer.host_step)
     elif n_s:  # compiled: the phase's rows padded to `ceil(n_s / R)` places (the same graph every step)
         stable_ranked = ctx.due(n_s, layer.cfg.rerank_interval, layer.places)
     ranking = None
