@@ -28,6 +28,7 @@ import torch
 
 from .decode import attend_chosen
 from .kernels import dispatch as kernels
+from .schedule import phase_range
 from .tiers import newly_resident, plan_windows, window_pages_of
 
 
@@ -69,8 +70,7 @@ class BlockPlan:
             if layer.rank_all and j == 0:
                 due = range(n_s)
             else:
-                phase = (held + j - layer.prompt_end + 1) % r
-                due = range((phase * n_s + r - 1) // r, ((phase + 1) * n_s + r - 1) // r)
+                due = range(*phase_range((held + j - layer.prompt_end + 1) % r, n_s, r))
             entries += [(stable[l], j, l) for l in due]
         last: dict[int, int] = {}
         prev = [-1] * len(entries)

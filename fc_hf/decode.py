@@ -125,7 +125,7 @@ def _write(out: torch.Tensor, rows: torch.Tensor, every_row: bool, result: torch
 
 
 def _attend_unstable(layer, q, ranking: Ranking, bias: StepBias, scaling, softcap, out) -> None:
-    store, rows = layer.store, layer.store.rows
+    rows = layer.store.rows
     result = attend_chosen(layer, ranking, rows.n_unstable, layer.unstable_page_starts,
                            lambda: q if layer.every_row_unstable else q.index_select(0, rows.unstable),
                            lambda: rows.batch_of.index_select(0, rows.unstable), bias, scaling, softcap)
