@@ -115,7 +115,7 @@ def append_block(layer, keys: torch.Tensor, values: torch.Tensor, held: int) -> 
         store.win_v.view(-1, dv).index_copy_(0, slot, values.reshape(n, t, dv).index_select(0, pick).view(-1, dv))
     sub_len = store.page_size // store.subpages
     subs = torch.tensor(sorted({(held + j) // sub_len for j in range(t)}), device=store.device)
-    store.meta.index_copy_(2, subs, kernels.subpage_minmax(store.full_k.view(n, -1, sub_len, d), subs))
+    store.refresh_subpages(subs)
     store.length_t.add_(t)
 
 

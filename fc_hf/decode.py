@@ -65,9 +65,7 @@ def append(layer, key: torch.Tensor, value: torch.Tensor, ctx: DecodeContext) ->
         slot = store.win_shift[: stable.numel()] + pos
         store.win_k.view(-1, d).index_copy_(0, slot, keys.index_select(0, stable))
         store.win_v.view(-1, dv).index_copy_(0, slot, values.index_select(0, stable))
-    sub_len = store.page_size // store.subpages
-    sub = (pos // sub_len).view(1)
-    store.meta.index_copy_(2, sub, kernels.subpage_minmax(store.full_k.view(n, -1, sub_len, d), sub))
+    store.refresh_subpages((pos // (store.page_size // store.subpages)).view(1))
     store.length_t.add_(1)
 
 
@@ -81,18 +79,19 @@ def attend(layer, query: torch.Tensor, ctx: DecodeContext, attention_mask, scali
     q = query.reshape(n, g, d)
     out = query.new_empty(n, g, store.value_dim)
     n_e, n_s = rows.n_unstable, rows.n_stable
-    stable_ranked = None
+    stable_ranked, span = None, (0, 0)  # span: the stable rows ranked, where the host knows them (eager)
     if n_s and layer.rank_all:  # the first step after a prompt: every stable row, its new window at once
-        stable_ranked = layer.stable_all
+        stable_ranked, span = layer.stable_all, (0, n_s)
     elif n_s and layer.host_step is not None:  # eager: this phase's rows, none on a phase without any
-        stable_ranked = layer.phase_rows(layer.host_step)
+        stable_ranked, span = layer.phase_rows(layer.host_step)
     elif n_s:  # compiled: the phase's rows padded to `ceil(n_s / R)` places (the same graph every step)
-        stable_ranked = ctx.due(n_s, layer.cfg.rerank_interval, layer.places)
+        stable_ranked, span = ctx.due(n_s, layer.cfg.rerank_interval, layer.places), None
     ranking = None
     if n_e or stable_ranked is not None:
         ranked = rows.unstable if stable_ranked is None else torch.cat(
             [rows.unstable, layer.stable_rows.index_select(0, stable_ranked)])
-        ranking = selector.rank(q.index_select(0, ranked.clamp(max=n - 1)), ranked, store, bias, scaling)
+        minmax = None if span is None else store.minmax_views(*span)  # read in place (kind-major MinMax rows)
+        ranking = selector.rank(q.index_select(0, ranked.clamp(max=n - 1)), ranked, store, bias, scaling, minmax)
         layer.note_ranking(ranking, n_e, ranked)
     if n_e:
         _attend_unstable(layer, q, ranking, bias, scaling, softcap, out)

@@ -16,7 +16,7 @@ from transformers.cache_utils import CacheLayerMixin
 from . import decode
 from .errors import FlexiCacheError
 from .rows import HeadKinds
-from .schedule import phase_of, ranked_rows, rows_per_step
+from .schedule import phase_of, phase_range, ranked_rows, rows_per_step
 from .selection import PageSelector
 from .store import PageStore, window_pages
 from .verify import VerifiedDecoding
@@ -153,11 +153,15 @@ class FlexiCacheLayer(VerifiedDecoding, CacheLayerMixin):
         if getattr(self, "promoted", None) is None:
             self.promoted = torch.zeros((), dtype=torch.long, device=dev)  # pages promoted host -> device so far
 
-    def phase_rows(self, step: int) -> torch.Tensor | None:
-        """The stable rows (indices among them) an eager decode step `step` ranks: its phase's, None if it has none. An
-        eager step knows its step on the host, so it ranks no padded place (a compiled step pads, `DecodeContext.due`).
-        Kept only for the phases that have a row, whatever `rerank_interval` is."""
-        return self._phase_rows.get(step % self.cfg.rerank_interval)
+    def phase_rows(self, step: int) -> tuple[torch.Tensor | None, tuple[int, int]]:
+        """The stable rows (indices among them) an eager decode step `step` ranks: its phase's (None if it has none),
+        and their span `[start, end)`. An eager step knows its step on the host, so it ranks no padded place (a compiled
+        step pads, `DecodeContext.due`). Kept only for the phases that have a row, whatever `rerank_interval` is."""
+        phase = step % self.cfg.rerank_interval
+        rows = self._phase_rows.get(phase)
+        if rows is None:
+            return None, (0, 0)
+        return rows, phase_range(phase, self.store.rows.n_stable, self.cfg.rerank_interval)
 
     def grow(self, capacity: int) -> None:
         """Room for `capacity` tokens (outside a decode step)."""

@@ -129,7 +129,7 @@ class OnlineClassifier:
         q = query[:, :, t - w :].reshape(b, h, g, w, d).reshape(n, g * w, d)
         # The Quest bound of every sub-page, max over the sub-pages of a page and over the group (`PageSelector`).
         q2 = torch.cat([q.float().clamp(min=0), q.float().clamp(max=0)], dim=-1)
-        bounds = torch.matmul(q2, store.meta[:, :, : num_pages * sub].float())  # [N, G*w, Np*S]
+        bounds = torch.matmul(q2, store.minmax()[:, :, : num_pages * sub].float())  # [N, G*w, Np*S]
         bounds = bounds.view(n, g, w, num_pages, sub).amax(dim=(1, 4))  # [N, w, Np]
         allowed = torch.arange(num_pages, device=query.device)[None, :] <= current[:, None]  # causal, [w, Np]
         allowed = allowed[None].expand(n, w, num_pages)

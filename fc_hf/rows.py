@@ -41,7 +41,8 @@ class RowIndex:
     `unstable`, `streaming`, `stable`: the rows of each kind, sequence-major (`[N_E]`, `[N_X]`, `[N_S]`, long);
     `stable_local [N]`: each row's position among the stable rows, `N_S` for the others (a stable-row tensor's extra last
     row, which writes of the other rows land in); `batch_of [N]`: each row's sequence; `stable_batch [N_S + 1]`: each
-    stable row's (0 for the extra row)."""
+    stable row's (0 for the extra row); `kind_order [N]`: the rows kind by kind (unstable, stable, streaming: the order
+    of the MinMax cache's rows, `PageStore.meta`), `kind_place [N]` each row's place in it."""
 
     def __init__(self, kinds: HeadKinds, batch: int, device):
         h = kinds.num_heads
@@ -60,6 +61,12 @@ class RowIndex:
         self.stable_local = as_tensor(local)
         self.batch_of = as_tensor([n // h for n in range(self.rows)])
         self.stable_batch = as_tensor([n // h for n in stable] + [0])  # [N_S + 1]: each stable row's sequence, 0 extra
+        order = rows(kinds.unstable) + stable + rows(kinds.streaming)
+        place = [0] * self.rows
+        for i, row in enumerate(order):
+            place[row] = i
+        self.kind_order, self.kind_place = as_tensor(order), as_tensor(place)
+        self.kind_major = order == list(range(self.rows))  # the rows are already in kind order (one sequence, ...)
         # The same on the host, for plans made before a step (a verification block's schedule).
         self.unstable_rows, self.streaming_rows, self.stable_rows = rows(kinds.unstable), rows(kinds.streaming), stable
 

@@ -58,12 +58,14 @@ class PageSelector:
         self._neg_inf = torch.tensor(NEG_INF, device=device)
 
     # -- the ranking -------------------------------------------------------------------------------------------
-    def rank(self, query: torch.Tensor, rows: torch.Tensor, store, bias, scaling: float) -> Ranking:
+    def rank(self, query: torch.Tensor, rows: torch.Tensor, store, bias, scaling: float,
+             minmax: list[torch.Tensor] | None = None) -> Ranking:
         """Rank rows `rows [n]` (a row index; `store.n` for a padded place, whose results are not kept) for their queries
-        `query [n, G, D]` at this step. `bias` is the step's `StepBias`."""
+        `query [n, G, D]` at this step. `bias` is the step's `StepBias`. `minmax`: the rows' MinMax entries as views of
+        the cache (`PageStore.minmax_views`), where the caller knows them on the host; else they are gathered."""
         real = rows.clamp(max=store.n - 1)  # padded places compute on a real row; their writes go to the extra row
         seq = store.rows.batch_of.index_select(0, real)
-        scores = self._scores(query, real, seq, store, bias)
+        scores = self._scores(query, real, seq, store, bias, minmax)
         if not self.refine:
             return Ranking(self._top(scores))
         carried = None
@@ -139,9 +141,9 @@ class PageSelector:
         at = torch.where(torch.isfinite(scores), pages, n_pages)
         return torch.zeros(pages.shape[0], n_pages + 1, dtype=torch.bool, device=pages.device).scatter_(1, at, True)
 
-    def _scores(self, query, real, seq, store, bias) -> torch.Tensor:
-        return kernels.page_scores(query, store.meta.index_select(0, real), bias.pages.index_select(0, seq),
-                                   store.subpages, backend=self.cfg.backend)
+    def _scores(self, query, real, seq, store, bias, minmax=None) -> torch.Tensor:
+        return kernels.page_scores(query, store.minmax(real) if minmax is None else minmax,
+                                   bias.pages.index_select(0, seq), store.subpages, backend=self.cfg.backend)
 
     def _top(self, scores: torch.Tensor) -> torch.Tensor:
         return torch.topk(scores, min(self.k, scores.shape[-1]), dim=-1, sorted=False).indices

@@ -13,7 +13,9 @@ Rows are `b * H + h` (the model's order); N = B * H, N_S the stable rows.
   plus `i` (the pages opened since, `W = K + ceil(R / P) + 1` positions). The extra last row takes the writes of the
   other rows, so a write over all rows needs no pick of the stable ones.
 - `meta [N, 2D, pages * S]`: per sub-page the channel max then min of its keys (channel-major: the scoring matmul's
-  right-hand side). An entry is exact once its sub-page is full; the page being filled is always selected, so its
+  right-hand side), its rows kind by kind (`RowIndex.kind_order`: unstable, stable, streaming), so the rows an eager
+  step ranks (the unstable rows and a phase's stable rows) are one or two views, scored without a copy
+  (`minmax_views`). An entry is exact once its sub-page is full; the page being filled is always selected, so its
   entries are never read before.
 - `length_t` (a device tensor: a decode step changes no Python number) and `length`, its host mirror, kept where the
   host drives the writes (prompts, eager decode steps).
@@ -30,6 +32,7 @@ import math
 
 import torch
 
+from .kernels import dispatch as kernels
 from .rows import HeadKinds, RowIndex
 from .tiers import window_pages_of
 
@@ -167,9 +170,35 @@ class PageStore:
         p, s = self.page_size, self.subpages
         sub = self.full_k[:, first * p : end * p].reshape(self.n, (end - first) * s, p // s, self.head_dim)
         lo, hi = torch.aminmax(sub, dim=2)  # [N, F*S, D]
-        self.meta[:, :, first * s : end * s] = torch.cat([hi, lo], dim=-1).transpose(1, 2)
+        self.meta[:, :, first * s : end * s] = self.in_kind_order(torch.cat([hi, lo], dim=-1).transpose(1, 2))
+
+    def refresh_subpages(self, subs: torch.Tensor) -> None:
+        """MinMax entries of sub-pages `subs [m]` recomputed from their tokens (a decode token's, a block's)."""
+        sub_len = self.page_size // self.subpages
+        keys = self.full_k.view(self.n, -1, sub_len, self.head_dim)
+        self.meta.index_copy_(2, subs, self.in_kind_order(kernels.subpage_minmax(keys, subs)))
+
+    def in_kind_order(self, entries: torch.Tensor) -> torch.Tensor:
+        """Per-row `entries [N, ...]` in row order -> in the MinMax cache's row order."""
+        return entries if self.rows.kind_major else entries.index_select(0, self.rows.kind_order)
 
     # -- reading ------------------------------------------------------------------------------------------
+    def minmax(self, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The MinMax entries `[n, 2D, pages * S]` of rows `rows [n]` (every row with None), in that order (a copy
+        unless that is the cache's own order)."""
+        if rows is None:
+            return self.meta if self.rows.kind_major else self.meta.index_select(0, self.rows.kind_place)
+        return self.meta.index_select(0, self.rows.kind_place.index_select(0, rows))
+
+    def minmax_views(self, start: int, end: int) -> list[torch.Tensor]:
+        """The MinMax entries of the unstable rows then of the stable rows `[start, end)` (indices among them), as views
+        of the cache (no copy): one where they are adjacent, else two."""
+        n_e = self.rows.n_unstable
+        if start == 0:
+            return [self.meta[: n_e + end]]
+        blocks = [self.meta[: n_e]] if n_e else []
+        return blocks + [self.meta[n_e + start : n_e + end]]
+
     def dense(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Every token held, `[B, H, L, D]` views of the full tier."""
         k = self.full_k.view(self.batch, self.heads, self.capacity, self.head_dim)[:, :, : self.length]
@@ -194,7 +223,8 @@ class PageStore:
         same = new_batch == self.batch
         # `win_shift` holds flat indices: its rows move to new window rows.
         shift = self.win_shift.index_select(0, s_map) - self.win_base.index_select(0, s_map)
-        for name, row_map in (("full_k", rows), ("full_v", rows), ("meta", rows), ("win_k", s_map), ("win_v", s_map),
+        meta_map = old_rows.kind_place.index_select(0, rows.index_select(0, new_rows.kind_order))
+        for name, row_map in (("full_k", rows), ("full_v", rows), ("meta", meta_map), ("win_k", s_map), ("win_v", s_map),
                               ("win_pages", s_map), ("win_tok", s_map)):
             t = getattr(self, name)
             picked = t.index_select(0, row_map)

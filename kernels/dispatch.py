@@ -47,6 +47,8 @@ def _triton_ops():
 def page_scores(query, meta, bias, subpages, backend=None):
     """See `torch_backend.page_scores`; on the Triton backend the `flexicache::page_scores` op."""
     if backend_for(query, backend) == "triton":
+        if not isinstance(meta, torch.Tensor):  # row blocks (views of the cache): the kernel takes one tensor
+            meta = torch.cat(meta) if len(meta) > 1 else meta[0]
         return _triton_ops().page_scores(query, meta, bias, subpages)
     return torch_backend.page_scores(query, meta, bias, subpages)
 

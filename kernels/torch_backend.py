@@ -29,7 +29,8 @@ def page_scores(query: torch.Tensor, meta: torch.Tensor, bias: torch.Tensor, sub
 
     Args:
         query (`torch.Tensor` of shape `[n, G, D]`): the decode queries.
-        meta (`torch.Tensor` of shape `[n, 2D, E]`): each entry's channel max (first D) then min.
+        meta (`torch.Tensor` of shape `[n, 2D, E]`, or a list of such blocks whose rows stack to `n`): each entry's
+            channel max (first D) then min. Blocks are views of the MinMax cache, read in place (no gather).
         bias (`torch.Tensor` of shape `[n, E]`): added to each entry's bound.
         subpages (`int`): S; a page's score is the max over its S entries.
 
@@ -43,13 +44,26 @@ def page_scores(query: torch.Tensor, meta: torch.Tensor, bias: torch.Tensor, sub
 
 
 def quest_bounds(query: torch.Tensor, meta: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """The Quest bound of every MinMax entry for every query head, fp32: `[n, G, D]`, `[n, 2D, E]` (, `bias [n, E]`)
-    -> `[n, G, E]`, as one matmul `[relu(q), min(q, 0)] @ [kmax; kmin]`."""
+    """The Quest bound of every MinMax entry for every query head, fp32: `[n, G, D]`, `[n, 2D, E]` (or row blocks of
+    it, `page_scores`) (, `bias [n, E]`) -> `[n, G, E]`, as one matmul `[relu(q), min(q, 0)] @ [kmax; kmin]` per block."""
     q = query.float()
     q2 = torch.cat([q.clamp(min=0), q.clamp(max=0)], dim=-1)
-    if bias is None:
-        return torch.matmul(q2, meta.float())
-    return torch.baddbmm(bias[:, None, :], q2, meta.float())
+    if not isinstance(meta, torch.Tensor) and len(meta) == 1:
+        meta = meta[0]
+    if isinstance(meta, torch.Tensor):
+        if bias is None:
+            return torch.matmul(q2, meta.float())
+        return torch.baddbmm(bias[:, None, :], q2, meta.float())
+    out = q2.new_empty(q2.shape[0], q2.shape[1], meta[0].shape[-1])
+    start = 0
+    for block in meta:
+        end = start + block.shape[0]
+        if bias is None:
+            torch.matmul(q2[start:end], block.float(), out=out[start:end])
+        else:
+            torch.baddbmm(bias[start:end, None, :], q2[start:end], block.float(), out=out[start:end])
+        start = end
+    return out
 
 
 def candidate_mass(query: torch.Tensor, keys: torch.Tensor, bias: torch.Tensor, scores: torch.Tensor, scaling: float,

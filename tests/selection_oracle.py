@@ -49,8 +49,8 @@ def spy(log: dict):
     window pages at the moment they attend."""
     real_rank, real_windows = PageSelector.rank, decode._attend_windows
 
-    def rank(selector, query, rows, store, bias, scaling):
-        out = real_rank(selector, query, rows, store, bias, scaling)
+    def rank(selector, query, rows, store, bias, scaling, minmax=None):
+        out = real_rank(selector, query, rows, store, bias, scaling, minmax)
         log["ranked"] = (rows.clone(), out.pages.clone())
         return out
 
@@ -211,7 +211,7 @@ def _check_metadata(cache, cfg, where):
     for layer in cache.flexi_layers:
         keys = cache.seen[layer.layer_idx][0]
         store = layer.store
-        meta = store.meta.transpose(1, 2).tolist()  # [N, entries, 2D]
+        meta = store.minmax().transpose(1, 2).tolist()  # [N, entries, 2D], rows in row order
         d = store.head_dim
         for n in range(store.n):
             b, h = divmod(n, store.heads)

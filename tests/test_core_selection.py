@@ -43,6 +43,52 @@ def test_sub_page_scores_are_the_max_over_the_sub_pages():
     torch.testing.assert_close(got, per_sub.view(n, pages, s).amax(-1), rtol=1e-5, atol=1e-5)
 
 
+def test_scores_of_row_blocks_equal_scores_of_their_rows():
+    """The eager step scores the cache's MinMax rows as views (row blocks): the same scores as the rows stacked."""
+    n, pages, d = 5, 7, 8
+    _, meta = _random_pages(n, pages, 4, d)
+    q, bias = torch.randn(n, 3, d), torch.randn(n, pages)
+    whole = torch_backend.page_scores(q, meta, bias, subpages=1)
+    for cut in ([meta[:2], meta[2:]], [meta[:1], meta[1:4], meta[4:]], [meta]):
+        torch.testing.assert_close(torch_backend.page_scores(q, cut, bias, subpages=1), whole, rtol=0, atol=0)
+
+
+def test_eager_ranking_reads_the_minmax_cache_in_place():
+    """An eager decode step scores the MinMax rows it ranks where they lie (views of the kind-major cache), never
+    gathering a copy of them: with unstable and stable heads in a batch of 2 the rows of a ranking are not adjacent in
+    the model's row order, only in the cache's."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    model = tiny_model("llama", layers=1, heads=6, kv_heads=3)
+    profile = HeadProfile.from_unstable(model.config, [(0, 1)])
+    cache = FlexiCache(model.config, FlexiCacheConfig(page_size=4, token_budget=8, rerank_interval=2), profile)
+    ids, mask = left_padded_batch(2, 30)
+    _decode(model, cache, ids, mask, 1)
+    store = cache.layers[0].store
+    assert not store.rows.kind_major
+    meta = store.meta.untyped_storage().data_ptr()
+
+    class Reads(TorchDispatchMode):
+        ops: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if any(isinstance(a, torch.Tensor) and a.untyped_storage().data_ptr() == meta for a in args):
+                self.ops.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    with Reads():
+        _decode_more(model, cache, 4)
+    assert "baddbmm" in Reads.ops  # the scores read it
+    assert "index_select" not in Reads.ops, Reads.ops
+
+
+def _decode_more(model, cache, steps):
+    tok = torch.ones(2, 1, dtype=torch.long)
+    with torch.no_grad():
+        for _ in range(steps):
+            model(input_ids=tok, past_key_values=cache, use_cache=True)
+
+
 def test_pages_without_an_attendable_token_are_never_preferred():
     n, pages, d = 2, 6, 8
     _, meta = _random_pages(n, pages, 4, d)

@@ -108,8 +108,9 @@ def test_mutant_kmax_kmin_swapped_in_scoring(monkeypatch):
     real = selection.kernels.page_scores
 
     def swapped(query, meta, *args, **kwargs):
-        d = meta.shape[1] // 2
-        return real(query, torch.cat([meta[:, d:], meta[:, :d]], 1), *args, **kwargs)
+        blocks = [meta] if isinstance(meta, torch.Tensor) else meta  # the cache's views, or a gathered copy
+        d = blocks[0].shape[1] // 2
+        return real(query, [torch.cat([m[:, d:], m[:, :d]], 1) for m in blocks], *args, **kwargs)
 
     monkeypatch.setattr(selection.kernels, "page_scores", swapped)
     with pytest.raises(AssertionError, match="^selection"):

@@ -43,7 +43,7 @@ def test_ranked_heads_always_hold_the_sink_page(profile_unstable, monkeypatch):
     real = torch_backend.page_scores
 
     def page0_worst(query, meta, bias, subpages):
-        meta = meta.clone()
+        meta = meta.clone() if isinstance(meta, torch.Tensor) else torch.cat(meta)  # never the cache's own views
         d = meta.shape[1] // 2
         meta[:, :d, :subpages], meta[:, d:, :subpages] = -1e4, 1e4  # kmax very low, kmin very high: a tiny bound
         return real(query, meta, bias, subpages)

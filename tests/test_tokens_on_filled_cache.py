@@ -234,7 +234,7 @@ def _check_state(cache, keys, values, length):
         full, s = length // store.page_size, store.subpages
         rows = keys[:, :, : full * store.page_size].reshape(store.n, full * s, -1, keys.shape[-1])
         expect = torch.cat([rows.amax(2), rows.amin(2)], -1).transpose(1, 2)
-        assert torch.equal(store.meta[:, :, : full * s], expect)
+        assert torch.equal(store.minmax()[:, :, : full * s], expect)
     assert cache.ledger.current == held
     assert cache.ledger.peak >= held
 
