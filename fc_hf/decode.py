@@ -99,21 +99,21 @@ def attend(layer, query: torch.Tensor, ctx: DecodeContext, attention_mask, scali
     if n_s:
         moves = stable_ranked is not None
         if moves and not deferred:
-            _move(layer, ranking, stable_ranked, n_e, bias)
+            _move(layer, ranking, stable_ranked, n_e, bias, span)
         layer.note_windows()
         _attend_windows(layer, q, bias, scaling, softcap, out)
         if moves and deferred:
-            _move(layer, ranking, stable_ranked, n_e, bias)
+            _move(layer, ranking, stable_ranked, n_e, bias, span)
         layer.rank_all = False
     if rows.n_streaming:
         _attend_streaming(layer, q, bias, scaling, softcap, out)
     return out.view(b, hq, store.value_dim).unsqueeze(1)
 
 
-def _move(layer, ranking: Ranking, stable_ranked: torch.Tensor, n_e: int, bias: StepBias) -> None:
+def _move(layer, ranking: Ranking, stable_ranked: torch.Tensor, n_e: int, bias: StepBias, span) -> None:
     store = layer.store
     rows = layer.stable_rows.index_select(0, stable_ranked).clamp(max=store.n - 1)
-    move_windows(store, stable_ranked, rows, ranking.pages[n_e:], bias.page, layer.promoted)
+    move_windows(store, stable_ranked, rows, ranking.pages[n_e:], bias.page, layer.promoted, span)
 
 
 def _write(out: torch.Tensor, rows: torch.Tensor, every_row: bool, result: torch.Tensor) -> None:

@@ -54,10 +54,11 @@ def window_pages_of(store, rows: torch.Tensor, window: torch.Tensor, tier: torch
 
 
 def move_windows(store, local: torch.Tensor, rows: torch.Tensor, pages: torch.Tensor, page: torch.Tensor,
-                 promoted: torch.Tensor) -> None:
+                 promoted: torch.Tensor, span: tuple[int, int] | None = None) -> None:
     """Make `pages [n, K]` (a ranking's, the page being filled `page` among them) the windows of the stable rows at
     `local [n]` (indices among the stable rows; the extra row for a padded place), whose rows are `rows [n]`; add the
-    pages not resident before to `promoted` (a device counter)."""
+    pages not resident before to `promoted` (a device counter). `span`: `local` is the stable rows `[start, end)`,
+    known on the host (an eager step)."""
     k, p = store.cfg.pages_per_head, store.page_size
     window, source, present = plan_windows(store, pages, page)
     if store.host_tier:  # without a host tier (offload off) a window is filled from device memory: no promotion
@@ -66,10 +67,15 @@ def move_windows(store, local: torch.Tensor, rows: torch.Tensor, pages: torch.Te
     n = local.numel()
     at = (rows[:, None] * store.pages + source).view(-1)
     backend = store.cfg.backend
-    keys = kernels.gather_pages(store.full_k.view(-1, p, store.head_dim), at, backend=backend).view(n, k * p, -1)
-    values = kernels.gather_pages(store.full_v.view(-1, p, store.value_dim), at, backend=backend).view(n, k * p, -1)
-    store.win_k[:, : k * p].index_copy_(0, local, keys)
-    store.win_v[:, : k * p].index_copy_(0, local, values)
+    for tier, win in ((store.full_k, store.win_k), (store.full_v, store.win_v)):
+        pages_of = tier.view(-1, p, tier.shape[-1])
+        if span is not None and store.device.type == "cpu":
+            # Straight into each window (a window's first K pages are contiguous): one pass over the bytes, not a
+            # gather then a scatter (3-4x faster on a CPU); a launch per row, so not on an accelerator.
+            for i, j in enumerate(range(*span)):
+                torch.index_select(pages_of, 0, at[i * k : (i + 1) * k], out=win[j, : k * p].view(k, p, -1))
+        else:
+            win[:, : k * p].index_copy_(0, local, kernels.gather_pages(pages_of, at, backend=backend).view(n, k * p, -1))
     store.win_pages.index_copy_(0, local, window)
     store.win_shift.index_copy_(0, local, store.win_base.index_select(0, local) + (k - 1 - page) * p)
     store.window_tokens(local, window)
