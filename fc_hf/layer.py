@@ -16,7 +16,7 @@ from transformers.cache_utils import CacheLayerMixin
 from . import decode
 from .errors import FlexiCacheError
 from .rows import HeadKinds
-from .schedule import phase_of, phase_range, ranked_rows, rows_per_step
+from .schedule import phase_range, ranked_rows, rows_per_step
 from .selection import PageSelector
 from .store import PageStore, window_pages
 from .verify import VerifiedDecoding
@@ -141,10 +141,6 @@ class FlexiCacheLayer(VerifiedDecoding, CacheLayerMixin):
         self.stable_rows = torch.cat([rows.stable, rows.stable.new_full((1,), store.n)])  # the extra row: padding
         self.stable_all = torch.arange(rows.n_stable, device=dev)
         self.places = torch.arange(rows_per_step(rows.n_stable, self.cfg.rerank_interval), device=dev)
-        phases: dict[int, list[int]] = {}  # `phase_rows`: the phases that have a row (at most one per stable row)
-        for j in range(rows.n_stable):
-            phases.setdefault(phase_of(j, rows.n_stable, self.cfg.rerank_interval), []).append(j)
-        self._phase_rows = {phase: torch.tensor(js, dtype=torch.long).to(dev) for phase, js in phases.items()}
         self.every_row_unstable = rows.n_unstable == store.n
         self.every_row_stable = rows.n_stable == store.n
         k, sink = min(self.cfg.pages_per_head, store.pages), self.cfg.streaming_sink_pages
@@ -156,12 +152,10 @@ class FlexiCacheLayer(VerifiedDecoding, CacheLayerMixin):
     def phase_rows(self, step: int) -> tuple[torch.Tensor | None, tuple[int, int]]:
         """The stable rows (indices among them) an eager decode step `step` ranks: its phase's (None if it has none),
         and their span `[start, end)`. An eager step knows its step on the host, so it ranks no padded place (a compiled
-        step pads, `DecodeContext.due`). Kept only for the phases that have a row, whatever `rerank_interval` is."""
-        phase = step % self.cfg.rerank_interval
-        rows = self._phase_rows.get(phase)
-        if rows is None:
-            return None, (0, 0)
-        return rows, phase_range(phase, self.store.rows.n_stable, self.cfg.rerank_interval)
+        step pads, `DecodeContext.due`). A phase's rows are contiguous: a view of `stable_all`, whatever `rerank_interval`
+        is."""
+        start, end = phase_range(step % self.cfg.rerank_interval, self.store.rows.n_stable, self.cfg.rerank_interval)
+        return (self.stable_all[start:end] if end > start else None), (start, end)
 
     def grow(self, capacity: int) -> None:
         """Room for `capacity` tokens (outside a decode step)."""
