@@ -8,6 +8,7 @@ Rows are `b * H + h` (the model's order); N = B * H, N_S the stable rows.
   token). For the ranked-every-step (unstable) and streaming rows this is their device tier. For stable rows it is the
   host tier: every page, written once, read back when a ranking promotes a page or a prompt on a filled cache attends
   over it. On a CPU both are one allocation (host memory is the device's own); `tier_bytes` splits them by row kind.
+  On an accelerator they are one device allocation too in this version (no pinned host tier yet), and counted so.
 - `win_k/win_v [N_S + 1, W * P, D]`: a stable row's window, its device tier: positions `[0, K - 1)` hold the pages of
   its last ranking other than the page then being filled, position `K - 1 + i` the page being filled at that ranking
   plus `i` (the pages opened since, `W = K + ceil(R / P) + 1` positions). The extra last row takes the writes of the
@@ -28,19 +29,31 @@ minus its first token's position (a token at position `pos` of the page being fi
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
+from transformers.utils import logging
 
 from .kernels import dispatch as kernels
 from .rows import HeadKinds, RowIndex
 from .tiers import window_pages_of
+
+logger = logging.get_logger(__name__)
 
 
 def window_pages(cfg, capacity_pages: int) -> int:
     """W: window positions of a stable row: its K - 1 ranked pages, the page being filled at its ranking and the pages
     opened before its next ranking (at most R steps later; capped by the capacity for a very long interval)."""
     return cfg.pages_per_head + min(math.ceil(cfg.rerank_interval / cfg.page_size) + 1, capacity_pages)
+
+
+@functools.cache
+def _warn_no_host_tier(device: torch.device) -> None:
+    logger.warning(
+        "FlexiCache on %s keeps the stable heads' full tier in device memory in this version (no pinned host tier "
+        "yet), so its device KV is dense's plus the windows; memory reports count it as device memory. The CPU path "
+        "and the accounting by role are unaffected; see docs/gpu.md.", device.type)
 
 
 class PageStore:
@@ -53,6 +66,8 @@ class PageStore:
         self.head_dim, self.value_dim, self.dtype, self.device = head_dim, value_dim, dtype, torch.device(device)
         self.page_size, self.subpages = cfg.page_size, cfg.subpages
         self.host_tier = host_tier  # stable rows' full tier counts as host memory (offload on)
+        if host_tier and self.full_tier_on_accelerator:
+            _warn_no_host_tier(self.device)
         self.rows = RowIndex(kinds, batch, self.device)
         self.n = self.rows.rows
         self.length = 0
@@ -95,12 +110,20 @@ class PageStore:
         per_row = self.capacity * (self.head_dim + self.value_dim) * self.dtype.itemsize
         stable = self.rows.n_stable * per_row
         windows = (self.win_k.numel() + self.win_v.numel()) * self.dtype.itemsize
-        out = {"device": (self.n * per_row - stable) + windows, "host": stable if self.host_tier else 0,
+        host = self.host_tier and not self.full_tier_on_accelerator
+        out = {"device": (self.n * per_row - stable) + windows, "host": stable if host else 0,
                "metadata": self.meta.numel() * self.meta.element_size()
                + sum(t.numel() * t.element_size() for t in (self.win_pages, self.win_shift))}
-        if not self.host_tier:
+        if not host:
             out["device"] += stable
         return out
+
+    @property
+    def full_tier_on_accelerator(self) -> bool:
+        """The stable rows' full tier sits in the accelerator's own memory. It does on every accelerator in this version
+        (one `full_k/full_v` allocation; no pinned host tier yet: docs/gpu.md), so it is counted as device memory
+        there. On a CPU host memory is the device's own, and the split is by role (what a deployment keeps where)."""
+        return self.device.type not in ("cpu", "meta")
 
     # -- allocation -----------------------------------------------------------------------------------
     def _allocate(self, capacity: int) -> None:

@@ -74,6 +74,22 @@ def test_tiered_equals_single_tier_bit_for_bit():
     assert runs[True][1].memory_report()["device_kv_bytes"] < runs[False][1].memory_report()["device_kv_bytes"]
 
 
+def test_an_accelerator_counts_the_stable_full_tier_as_device_memory():
+    """This version allocates the stable rows' full tier on the accelerator (no pinned host tier yet): the memory
+    report says so there instead of crediting a host tier that does not exist (on a CPU the split is by role)."""
+    model = tiny_model("llama", layers=2)
+    cache = FlexiCache(model.config, FlexiCacheConfig(**CFG), _profile(model.config))
+    ids, mask = left_padded_batch(2, 45, pad_lengths=[0, 7])
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+    store = cache.layers[0].store
+    by_role = store.tier_bytes()
+    assert by_role["host"] > 0
+    store.device = torch.device("cuda")  # the rule only; the tensors stay where they are
+    on_gpu = store.tier_bytes()
+    assert on_gpu["host"] == 0 and on_gpu["device"] == by_role["device"] + by_role["host"]
+
+
 @pytest.mark.parametrize("promotion", ["sync", "deferred"])
 def test_the_device_tier_never_reallocates_and_promotions_are_the_newly_resident_pages(promotion):
     """Every tensor of the store keeps its address over a whole decode (re-ranks and pages opening allocate nothing);
