@@ -4,8 +4,8 @@
 two resident workers, one per tree (each imports its own `fc_hf`, `kernels` and `eval`; the other tree needs only
 the same installed packages), hold a cache built the same way (random K/V, the bench's model shape and profile), and
 the parent asks them for one decode step at a time in ABBA order (other, this, this, other, ...), so load drift lands
-on both sides alike. Each worker times its own step; only one runs at a time. Prints the table with the ratio of
-medians (this tree / the other) and writes it to `--out` when given.
+on both sides alike. Each worker times its own step; only one runs at a time. Prints the table with the ratios of
+medians and of means (this tree / the other) and writes it to `--out` when given.
 
     python -m eval.bench.trees --other ../flexicache-old --lengths 16k,32k --batches 1,4 --steps 48 --threads 1
 """
@@ -109,7 +109,8 @@ def _finish(proc: subprocess.Popen):
 
 
 def paired_trees(this: Path, other: Path, spec: dict) -> dict:
-    """One case: both workers started, `spec["steps"]` steps each in ABBA order; medians and their ratio."""
+    """One case: both workers started, `spec["steps"]` steps each in ABBA order; medians and means and their ratios (the
+    median is a typical step, the mean the decode throughput, a re-rank stall included)."""
     procs = {"other": _start(other, spec), "this": _start(this, spec)}
     times = {"other": [], "this": []}
     for i in range(spec["steps"]):
@@ -117,8 +118,10 @@ def paired_trees(this: Path, other: Path, spec: dict) -> dict:
             times[side].append(_step(procs[side]))
     read = {side: _finish(proc) for side, proc in procs.items()}
     med = {side: statistics.median(t) for side, t in times.items()}
+    mean = {side: statistics.fmean(t) for side, t in times.items()}  # decode throughput: re-rank stalls included
     return {**spec, "other_median_ms": med["other"], "this_median_ms": med["this"],
             "ratio_of_medians": med["this"] / med["other"],
+            "other_mean_ms": mean["other"], "this_mean_ms": mean["this"], "ratio_of_means": mean["this"] / mean["other"],
             "median_step_ratio": statistics.median(b / a for a, b in zip(times["other"], times["this"])),
             "this_bytes_read_per_step": read["this"]}
 
@@ -137,15 +140,16 @@ def main(argv=None) -> None:
     from .common import parse_sizes
 
     this, other = Path(__file__).resolve().parents[2], Path(args.other).resolve()
-    rows = ["| context | batch | other median (ms) | this median (ms) | ratio of medians | median step ratio | this: "
-            "bytes read per step (MB) |", "|---|---|---|---|---|---|---|"]
+    rows = ["| context | batch | other median (ms) | this median (ms) | ratio of medians | median step ratio | other mean "
+            "(ms) | this mean (ms) | ratio of means | this: bytes read per step (MB) |", "|---|---|---|---|---|---|---|---|---|---|"]
     for length in parse_sizes(args.lengths):
         for batch in parse_sizes(args.batches):
             spec = {"model": args.model, "length": length, "batch": batch, "budget": args.budget,
                     "steps": args.steps, "threads": args.threads}
             r = paired_trees(this, other, spec)
             rows.append(f"| {length // 1024}k | {batch} | {r['other_median_ms']:.1f} | {r['this_median_ms']:.1f} | "
-                        f"{r['ratio_of_medians']:.3f}× | {r['median_step_ratio']:.3f}× | "
+                        f"{r['ratio_of_medians']:.3f}× | {r['median_step_ratio']:.3f}× | {r['other_mean_ms']:.1f} | "
+                        f"{r['this_mean_ms']:.1f} | {r['ratio_of_means']:.3f}× | "
                         f"{(r['this_bytes_read_per_step'] or float('nan')) / 1e6:.2f} |")
             print(rows[-1], flush=True)
     table = (f"This tree ({this.name}) against {other.name}, {args.model}, budget {args.budget}, {args.steps} steps "
