@@ -350,3 +350,13 @@ def test_analytic_peak_fraction():
     assert capacity.analytic_peak_fraction(0.25, 30, 32768, chunk=2048) == pytest.approx(window + 2048 / 32768 / 30)
     assert capacity.analytic_peak_fraction(0.25, 30, 2048) == pytest.approx(0.25 + 0.75 * (1024 + 32) / 2048 + 1 / 30)
     assert capacity.analytic_peak_fraction(0.25, 30, 1024, budget=1024) == pytest.approx(1 + 1 / 30)  # all on device
+
+
+def test_compiled_bench_steps_both_sides_alike():
+    """`python -m eval.bench.compiled` on a one-layer shape (aot_eager: no C++ build): both sides time every step and
+    agree on every token (it raises otherwise)."""
+    from fc_hf.eval.bench import compiled
+
+    r = compiled.run("smollm2", 256, 2, steps=2, budget=64, layers=1, backend="aot_eager", warmup=2)
+    assert len(r["warmup_ms"]) == 2 and r["eager_median_ms"] > 0 and r["compiled_median_ms"] > 0
+    assert r["layers"] == 1 and r["ratio_of_means"] > 0
