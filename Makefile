@@ -32,7 +32,7 @@ test-fast: install
 # that installs here (2.13: the CPU wheel this machine's index holds; older torch on PyPI is a multi-GB CUDA build)
 # and numpy < 2.4 (Triton 3.6's interpreter fails on NumPy 2.4's stricter scalar conversion). A second venv, ~2 GB.
 OLDEST ?= .venv-oldest
-CORE_TESTS := tests/test_core_equivalence.py tests/test_core_selection.py tests/test_tiers.py \
+CORE_TESTS := tests/test_core_equivalence.py tests/test_core_selection.py tests/test_tiers.py tests/test_near_tier.py \
 	tests/test_no_host_sync.py tests/test_compile.py tests/test_selection_policies.py tests/test_properties.py \
 	tests/test_cache_state.py tests/test_triton_ops.py tests/test_gpu_sanity.py \
 	tests/test_gpu_script.py

@@ -104,6 +104,11 @@ def append_block(layer, keys: torch.Tensor, values: torch.Tensor, held: int) -> 
     k, v = keys.reshape(n * t, d), values.reshape(n * t, dv)
     store.full_k.view(-1, d).index_copy_(0, at, k)
     store.full_v.view(-1, dv).index_copy_(0, at, v)
+    if store.near_apart:
+        near = store.rows.near
+        at = (layer.near_starts[:, None] + positions).view(-1)
+        store.near_k.view(-1, d).index_copy_(0, at, keys.reshape(n, t, d).index_select(0, near).view(-1, d))
+        store.near_v.view(-1, dv).index_copy_(0, at, values.reshape(n, t, dv).index_select(0, near).view(-1, dv))
     n_s = store.rows.n_stable
     if n_s:
         span = store.win_k.shape[1]
@@ -139,7 +144,7 @@ def attend_block(layer, query: torch.Tensor, keys: torch.Tensor, values: torch.T
         e_rows, e_steps = as_tensor(plan.rows), as_tensor(plan.steps)
         seq = e_steps * b + rows.batch_of.index_select(0, e_rows)
         ranking, carried = selector.rank_block(q.index_select(0, e_steps * n + e_rows), e_rows, seq,
-                                               as_tensor(plan.prev), store, bias, scaling)
+                                               as_tensor(plan.prev), store, bias, scaling, near=plan.n_unstable)
         if plan.n_unstable:
             _unstable(layer, q, ranking, e_rows, e_steps, seq, plan.n_unstable, bias, scaling, softcap, out)
     windows = None
@@ -158,7 +163,8 @@ def attend_block(layer, query: torch.Tensor, keys: torch.Tensor, values: torch.T
 def _unstable(layer, q, ranking, e_rows, e_steps, seq, m, bias, scaling, softcap, out) -> None:
     """The unstable rows of every step over their chosen pages (the ranking's logits re-used, as a step does)."""
     at = e_steps[:m] * layer.store.n + e_rows[:m]
-    result = attend_chosen(layer, ranking, m, e_rows[:m, None] * layer.store.pages, lambda: q.index_select(0, at),
+    starts = layer.store.near_index.index_select(0, e_rows[:m])[:, None] * layer.store.pages
+    result = attend_chosen(layer, ranking, m, starts, lambda: q.index_select(0, at),
                            lambda: seq[:m], bias, scaling, softcap)
     out.index_copy_(0, at, result)
 
@@ -230,8 +236,8 @@ def _streaming(layer, q, t, bias, scaling, softcap, out) -> None:
     recent = page - (k - sink - 1) + layer.recent_offsets
     pages = torch.where(page < k, layer.first_pages, torch.cat([layer.first_pages[:sink].expand(t, -1), recent], 1))
     at = (layer.streaming_page_starts.view(1, n_x, 1) + pages[:, None, :]).view(-1)  # [t, N_X, K]
-    keys = kernels.gather_pages(store.full_k.view(-1, p, store.head_dim), at, backend=cfg.backend).view(t * n_x, k * p, -1)
-    values = kernels.gather_pages(store.full_v.view(-1, p, store.value_dim), at,
+    keys = kernels.gather_pages(store.near_k.view(-1, p, store.head_dim), at, backend=cfg.backend).view(t * n_x, k * p, -1)
+    values = kernels.gather_pages(store.near_v.view(-1, p, store.value_dim), at,
                                   backend=cfg.backend).view(t * n_x, k * p, -1)
     seq = (torch.arange(t, device=q.device)[:, None] * store.batch + rows.batch_of.index_select(0, rows.streaming))
     tok = bias.page_rows.index_select(0, (seq[:, :, None] * (store.pages + 1) + pages[:, None, :]).view(-1))

@@ -51,8 +51,9 @@ class DecodeContext:
 
 
 def append(layer, key: torch.Tensor, value: torch.Tensor, ctx: DecodeContext) -> None:
-    """Write one decode token `[B, H, 1, D]` at `ctx.position` into every row's full tier, each stable row's window
-    and the MinMax entry of the sub-page it falls in (recomputed from that sub-page's tokens)."""
+    """Write one decode token `[B, H, 1, D]` at `ctx.position` into every row's full tier (and the near rows' own,
+    where they are apart), each stable row's window and the MinMax entry of the sub-page it falls in (recomputed from
+    that sub-page's tokens)."""
     store = layer.store
     n, d, dv = store.n, store.head_dim, store.value_dim
     pos = ctx.position
@@ -60,6 +61,10 @@ def append(layer, key: torch.Tensor, value: torch.Tensor, ctx: DecodeContext) ->
     at = layer.row_starts + pos
     store.full_k.view(-1, d).index_copy_(0, at, keys)
     store.full_v.view(-1, dv).index_copy_(0, at, values)
+    if store.near_apart:
+        near, at = store.rows.near, layer.near_starts + pos
+        store.near_k.view(-1, d).index_copy_(0, at, keys.index_select(0, near))
+        store.near_v.view(-1, dv).index_copy_(0, at, values.index_select(0, near))
     stable = store.rows.stable
     if stable.numel():
         slot = store.win_shift[: stable.numel()] + pos
@@ -91,7 +96,8 @@ def attend(layer, query: torch.Tensor, ctx: DecodeContext, attention_mask, scali
         ranked = rows.unstable if stable_ranked is None else torch.cat(
             [rows.unstable, layer.stable_rows.index_select(0, stable_ranked)])
         minmax = None if span is None else store.minmax_views(*span)  # read in place (kind-major MinMax rows)
-        ranking = selector.rank(q.index_select(0, ranked.clamp(max=n - 1)), ranked, store, bias, scaling, minmax)
+        ranking = selector.rank(q.index_select(0, ranked.clamp(max=n - 1)), ranked, store, bias, scaling, minmax,
+                                near=n_e)
         layer.note_ranking(ranking, n_e, ranked)
     if n_e:
         _attend_unstable(layer, q, ranking, bias, scaling, softcap, out)
@@ -135,19 +141,19 @@ def attend_chosen(layer, ranking: Ranking, m: int, page_starts: torch.Tensor, qu
                   scaling, softcap) -> torch.Tensor:
     """Attention of the first `m` rows of `ranking` over the pages it chose for them -> `[m, G, Dv]`: the ranking's own
     logits of those pages re-used where it kept them (refinement, no softcap), else their keys gathered. `page_starts
-    [m, 1]`: each row's first page in the full tier; `queries()` and `sequences()` give the rows' queries `[m, G, D]`
+    [m, 1]`: each row's first page in the near tier (`PageStore.near_index`: the rows are unstable); `queries()` and `sequences()` give the rows' queries `[m, G, D]`
     and sequences `[m]`, read only on the second path."""
     store, backend, p = layer.store, layer.cfg.backend, layer.store.page_size
     chosen = ranking.pages[:m]
     k = chosen.shape[1]
     at = (page_starts + chosen).view(-1)
-    values = kernels.gather_pages(store.full_v.view(-1, p, store.value_dim), at, backend=backend).view(m, k * p, -1)
+    values = kernels.gather_pages(store.near_v.view(-1, p, store.value_dim), at, backend=backend).view(m, k * p, -1)
     if ranking.logits is not None and softcap is None:  # the ranking's own logits of the chosen pages
         logits = ranking.logits[:m]
         g = logits.shape[1]
         logits = logits.gather(2, ranking.top[:m, None, :, None].expand(m, g, k, p)).view(m, g, k * p)
         return kernels.attention_from_logits(logits, values, backend=backend)
-    keys = kernels.gather_pages(store.full_k.view(-1, p, store.head_dim), at, backend=backend).view(m, k * p, -1)
+    keys = kernels.gather_pages(store.near_k.view(-1, p, store.head_dim), at, backend=backend).view(m, k * p, -1)
     tok = bias.page_rows.index_select(0, (sequences()[:, None] * (store.pages + 1) + chosen).view(-1)).view(m, -1)
     return kernels.attention(queries(), keys, values, tok, scaling, softcap, backend=backend)
 
@@ -172,8 +178,8 @@ def _attend_streaming(layer, q, bias: StepBias, scaling, softcap, out) -> None:
     recent = bias.page - (k - sink - 1) + layer.recent_offsets  # [K - sink]
     pages = torch.where(bias.page < k, layer.first_pages, torch.cat([layer.first_pages[:sink], recent]))
     at = (layer.streaming_page_starts + pages).view(-1)
-    keys = kernels.gather_pages(store.full_k.view(-1, p, store.head_dim), at, backend=cfg.backend).view(n_x, k * p, -1)
-    values = kernels.gather_pages(store.full_v.view(-1, p, store.value_dim), at, backend=cfg.backend).view(n_x, k * p, -1)
+    keys = kernels.gather_pages(store.near_k.view(-1, p, store.head_dim), at, backend=cfg.backend).view(n_x, k * p, -1)
+    values = kernels.gather_pages(store.near_v.view(-1, p, store.value_dim), at, backend=cfg.backend).view(n_x, k * p, -1)
     seq = rows.batch_of.index_select(0, rows.streaming)
     tok = bias.page_rows.index_select(0, (seq[:, None] * (store.pages + 1) + pages).view(-1)).view(n_x, -1)
     result = kernels.attention(q.index_select(0, rows.streaming), keys, values, tok, scaling, softcap,

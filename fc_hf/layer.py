@@ -136,8 +136,10 @@ class FlexiCacheLayer(VerifiedDecoding, CacheLayerMixin):
         """Index tensors of the decode step, for this batch and capacity (rebuilt when either changes)."""
         store, rows, dev = self.store, self.store.rows, self.device
         self.row_starts = torch.arange(store.n, device=dev) * store.capacity
-        self.unstable_page_starts = (rows.unstable * store.pages)[:, None]
-        self.streaming_page_starts = (rows.streaming * store.pages)[:, None]
+        self.near_starts = torch.arange(rows.n_near, device=dev) * store.capacity  # used where the near rows are apart
+        # The unstable and streaming rows' pages are read from the near tier (the full tier unless apart).
+        self.unstable_page_starts = (store.near_index.index_select(0, rows.unstable) * store.pages)[:, None]
+        self.streaming_page_starts = (store.near_index.index_select(0, rows.streaming) * store.pages)[:, None]
         self.stable_rows = torch.cat([rows.stable, rows.stable.new_full((1,), store.n)])  # the extra row: padding
         self.stable_all = torch.arange(rows.n_stable, device=dev)
         self.places = torch.arange(rows_per_step(rows.n_stable, self.cfg.rerank_interval), device=dev)

@@ -42,7 +42,9 @@ class RowIndex:
     `stable_local [N]`: each row's position among the stable rows, `N_S` for the others (a stable-row tensor's extra last
     row, which writes of the other rows land in); `batch_of [N]`: each row's sequence; `stable_batch [N_S + 1]`: each
     stable row's (0 for the extra row); `kind_order [N]`: the rows kind by kind (unstable, stable, streaming: the order
-    of the MinMax cache's rows, `PageStore.meta`), `kind_place [N]` each row's place in it."""
+    of the MinMax cache's rows, `PageStore.meta`), `kind_place [N]` each row's place in it; `near [N_E + N_X]`: the rows
+    whose every page stays on the device (unstable and streaming, in row order), `near_place [N]` each one's place among
+    them (0 for a stable row: never read through it)."""
 
     def __init__(self, kinds: HeadKinds, batch: int, device):
         h = kinds.num_heads
@@ -66,6 +68,11 @@ class RowIndex:
         for i, row in enumerate(order):
             place[row] = i
         self.kind_order, self.kind_place = as_tensor(order), as_tensor(place)
+        near = sorted(rows(kinds.unstable) + rows(kinds.streaming))
+        near_place = [0] * self.rows
+        for i, row in enumerate(near):
+            near_place[row] = i
+        self.near, self.near_place = as_tensor(near), as_tensor(near_place)
         self.kind_major = order == list(range(self.rows))  # the rows are already in kind order (one sequence, ...)
         # The same on the host, for plans made before a step (a verification block's schedule).
         self.unstable_rows, self.streaming_rows, self.stable_rows = rows(kinds.unstable), rows(kinds.streaming), stable
@@ -77,6 +84,10 @@ class RowIndex:
     @property
     def n_streaming(self) -> int:
         return self.streaming.numel()
+
+    @property
+    def n_near(self) -> int:
+        return self.near.numel()
 
     @property
     def n_stable(self) -> int:

@@ -59,10 +59,11 @@ class PageSelector:
 
     # -- the ranking -------------------------------------------------------------------------------------------
     def rank(self, query: torch.Tensor, rows: torch.Tensor, store, bias, scaling: float,
-             minmax: list[torch.Tensor] | None = None) -> Ranking:
+             minmax: list[torch.Tensor] | None = None, near: int = 0) -> Ranking:
         """Rank rows `rows [n]` (a row index; `store.n` for a padded place, whose results are not kept) for their queries
         `query [n, G, D]` at this step. `bias` is the step's `StepBias`. `minmax`: the rows' MinMax entries as views of
-        the cache (`PageStore.minmax_views`), where the caller knows them on the host; else they are gathered."""
+        the cache (`PageStore.minmax_views`), where the caller knows them on the host; else they are gathered. `near`:
+        the leading rows that are unstable (their candidates' keys are read from the near tier, `PageStore.key_pages`)."""
         real = rows.clamp(max=store.n - 1)  # padded places compute on a real row; their writes go to the extra row
         seq = store.rows.batch_of.index_select(0, real)
         scores = self._scores(query, real, seq, store, bias, minmax)
@@ -72,14 +73,14 @@ class PageSelector:
         if self.carry:
             carried = (self.carried_pages.index_select(0, rows), self.carried_scores.index_select(0, rows))
         ranking, out = self._refine(query, real, seq, *self._candidates(scores, carried), store, bias, bias.page,
-                                    scaling)
+                                    scaling, near)
         if self.carry:
             self.carried_pages.index_copy_(0, rows, out[0])
             self.carried_scores.index_copy_(0, rows, out[1])
         return ranking
 
     def rank_block(self, query: torch.Tensor, rows: torch.Tensor, seq: torch.Tensor, prev: torch.Tensor, store, bias,
-                   scaling: float) -> tuple[Ranking, tuple | None]:
+                   scaling: float, near: int = 0) -> tuple[Ranking, tuple | None]:
         """Rank the entries of a verification block at once, each as its own step would: entry `e` ranks row
         `rows[e]` for query `query[e]` over the masks of block sequence `seq[e]` (`bias`: `StepBias.for_block`).
         `prev [E]`: the entry of the same row the step before (-1: none in the block), whose carried candidates
@@ -98,13 +99,14 @@ class PageSelector:
             return Ranking(self._top(scores)), None
         page = bias.page.index_select(0, seq)
         if not self.carry:
-            return self._refine(query, real, seq, *self._candidates(scores, None), store, bias, page, scaling)[0], None
+            return self._refine(query, real, seq, *self._candidates(scores, None), store, bias, page, scaling,
+                                near)[0], None
         state = (self.carried_pages.index_select(0, rows), self.carried_scores.index_select(0, rows))
         has_prev = (prev >= 0)[:, None]
         before = prev.clamp(min=0)
         held = self._carried_set(*state, store.pages)
         cand_scores, cand = self._candidates(scores, state)
-        ranking, out = self._refine(query, real, seq, cand_scores, cand, store, bias, page, scaling)
+        ranking, out = self._refine(query, real, seq, cand_scores, cand, store, bias, page, scaling, near)
         out = tuple(x.clone() for x in out)  # written per entry below (the scores may be an expanded view)
         for _ in range(int(rows.numel())):
             nxt = tuple(torch.where(has_prev, x.index_select(0, before), s) for x, s in zip(out, state))
@@ -157,13 +159,13 @@ class PageSelector:
         cand, order = cand.sort(dim=1)
         return cand_scores.gather(1, order), cand
 
-    def _refine(self, query, real, seq, cand_scores, cand, store, bias, page, scaling) -> tuple[Ranking, tuple]:
+    def _refine(self, query, real, seq, cand_scores, cand, store, bias, page, scaling,
+                near: int = 0) -> tuple[Ranking, tuple]:
         """Refinement of candidates `cand [n, C]` (`_candidates`): their exact attention mass, the top K. Returns the
-        ranking and the candidates it carries out."""
+        ranking and the candidates it carries out. The first `near` rows are unstable (`PageStore.key_pages`)."""
         k = min(self.k, store.pages)
         n, c = cand.shape
-        keys = kernels.gather_pages(store.full_k.view(-1, store.page_size, store.head_dim),
-                                    (real[:, None] * store.pages + cand).view(-1), backend=self.cfg.backend)
+        keys = store.key_pages(real, cand, near)  # the first `near` rows' from the near tier
         tok_bias = bias.page_rows.index_select(0, (seq[:, None] * (store.pages + 1) + cand).view(-1))  # [n*C, P]
         mass, logits = kernels.candidate_mass(query, keys.view(n, c * store.page_size, -1), tok_bias.view(n, -1),
                                               cand_scores, scaling, store.page_size, backend=self.cfg.backend)

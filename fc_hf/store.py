@@ -7,8 +7,12 @@ Rows are `b * H + h` (the model's order); N = B * H, N_S the stable rows.
 - `full_k/full_v [N, capacity, D]`: every token of every row, written as it comes (a prompt's tokens, each decode
   token). For the ranked-every-step (unstable) and streaming rows this is their device tier. For stable rows it is the
   host tier: every page, written once, read back when a ranking promotes a page or a prompt on a filled cache attends
-  over it. On a CPU both are one allocation (host memory is the device's own); `tier_bytes` splits them by row kind.
-  On an accelerator they are one device allocation too in this version (no pinned host tier yet), and counted so.
+  over it. On a CPU this is one allocation (host memory is the device's own); `tier_bytes` splits it by row kind.
+  On CUDA with offload on it is pinned host memory mapped into the device (`fc_hf/host_memory.py`), and the rows
+  whose every page stays on the device (unstable, streaming) keep theirs apart as well:
+- `near_k/near_v [N_E + N_X, capacity, D]` (`near_apart`): those rows' tokens in device memory, read by their
+  attention and refinement (`RowIndex.near`; `near_index [N]` a row's place there). Without the split they are the
+  full tier itself and `near_index` is the row.
 - `win_k/win_v [N_S + 1, W * P, D]`: a stable row's window, its device tier: positions `[0, K - 1)` hold the pages of
   its last ranking other than the page then being filled, position `K - 1 + i` the page being filled at that ranking
   plus `i` (the pages opened since, `W = K + ceil(R / P) + 1` positions). The extra last row takes the writes of the
@@ -35,6 +39,7 @@ import math
 import torch
 from transformers.utils import logging
 
+from .host_memory import mapped_host_zeros
 from .kernels import dispatch as kernels
 from .rows import HeadKinds, RowIndex
 from .tiers import window_pages_of
@@ -51,13 +56,16 @@ def window_pages(cfg, capacity_pages: int) -> int:
 @functools.cache
 def _warn_no_host_tier(device: torch.device) -> None:
     logger.warning(
-        "FlexiCache on %s keeps the stable heads' full tier in device memory in this version (no pinned host tier "
-        "yet), so its device KV is dense's plus the windows; memory reports count it as device memory. The CPU path "
-        "and the accounting by role are unaffected; see docs/gpu.md.", device.type)
+        "FlexiCache on %s keeps the stable heads' full tier in device memory (pinned host memory is mapped into CUDA "
+        "devices only, and here it was not), so its device KV is dense's plus the windows; memory reports count it "
+        "as device memory. The CPU path and the accounting by role are unaffected; see docs/gpu.md.", device.type)
 
 
 class PageStore:
     """One layer's tensors (see the module docstring)."""
+
+    # Tests set this to keep the near rows apart on a CPU as on a GPU (the full tier then plays the mapped host memory).
+    split_on_cpu = False
 
     def __init__(self, kinds: HeadKinds, cfg, batch: int, head_dim: int, value_dim: int, dtype: torch.dtype,
                  device: torch.device, capacity: int, host_tier: bool):
@@ -66,15 +74,16 @@ class PageStore:
         self.head_dim, self.value_dim, self.dtype, self.device = head_dim, value_dim, dtype, torch.device(device)
         self.page_size, self.subpages = cfg.page_size, cfg.subpages
         self.host_tier = host_tier  # stable rows' full tier counts as host memory (offload on)
-        if host_tier and self.full_tier_on_accelerator:
-            _warn_no_host_tier(self.device)
         self.rows = RowIndex(kinds, batch, self.device)
         self.n = self.rows.rows
         self.length = 0
         self.length_t = torch.zeros((), dtype=torch.long, device=self.device)
         self.capacity = 0
-        self.full_k = self.full_v = self.meta = None
+        self.full_k = self.full_v = self.meta = self.near_k = self.near_v = None
+        self.full_mapped = False  # the full tier is mapped host memory (CUDA)
         self._allocate(capacity)
+        if host_tier and self.full_tier_on_accelerator:
+            _warn_no_host_tier(self.device)
         n_s = self.rows.n_stable
         self.window = window_pages(cfg, self.capacity // self.page_size) if n_s else 0  # no stable row: no window
         wp = self.window * self.page_size
@@ -110,40 +119,71 @@ class PageStore:
         per_row = self.capacity * (self.head_dim + self.value_dim) * self.dtype.itemsize
         stable = self.rows.n_stable * per_row
         windows = (self.win_k.numel() + self.win_v.numel()) * self.dtype.itemsize
+        metadata = self.meta.numel() * self.meta.element_size() + sum(
+            t.numel() * t.element_size() for t in (self.win_pages, self.win_shift))
+        if self.near_apart:  # the full tier holds every row in host memory; the near rows are on the device too
+            return {"device": self.rows.n_near * per_row + windows, "host": self.n * per_row, "metadata": metadata}
         host = self.host_tier and not self.full_tier_on_accelerator
-        out = {"device": (self.n * per_row - stable) + windows, "host": stable if host else 0,
-               "metadata": self.meta.numel() * self.meta.element_size()
-               + sum(t.numel() * t.element_size() for t in (self.win_pages, self.win_shift))}
-        if not host:
-            out["device"] += stable
-        return out
+        device = (self.n * per_row - stable) + windows + (0 if host else stable)
+        return {"device": device, "host": stable if host else 0, "metadata": metadata}
 
     @property
     def full_tier_on_accelerator(self) -> bool:
-        """The stable rows' full tier sits in the accelerator's own memory. It does on every accelerator in this version
-        (one `full_k/full_v` allocation; no pinned host tier yet: docs/gpu.md), so it is counted as device memory
-        there. On a CPU host memory is the device's own, and the split is by role (what a deployment keeps where)."""
-        return self.device.type not in ("cpu", "meta")
+        """The stable rows' full tier sits in the accelerator's own memory: on an accelerator whose host memory could not
+        be mapped (not CUDA, or the mapping failed), where it is counted as device memory. On a CPU host memory is the
+        device's own, and the split is by role (what a deployment keeps where)."""
+        return self.device.type not in ("cpu", "meta") and not self.full_mapped
+
+    @property
+    def near_apart(self) -> bool:
+        """The near rows (unstable, streaming) keep their tokens apart from the full tier, in device memory (see the
+        module docstring)."""
+        return bool(self.host_tier and self.rows.n_stable and self.rows.n_near) and (
+            self.full_mapped or (self.split_on_cpu and self.device.type == "cpu"))
 
     # -- allocation -----------------------------------------------------------------------------------
     def _allocate(self, capacity: int) -> None:
         """Tensors for `capacity` tokens per row, the tokens held so far copied over."""
         p, s, d, dv = self.page_size, self.subpages, self.head_dim, self.value_dim
         capacity = -(-capacity // p) * p
-        old = (self.full_k, self.full_v, self.meta)
+        old = (self.full_k, self.full_v, self.meta, self.near_k, self.near_v)
+        was_apart = self.near_apart
+        self.full_mapped = bool(self.host_tier and self.rows.n_stable and self.device.type == "cuda")
         self.full_k = self._full((self.n, capacity, d))
         self.full_v = self._full((self.n, capacity, dv))
         self.meta = torch.zeros(self.n, 2 * d, capacity // p * s, dtype=self.dtype, device=self.device)
+        self._near_tier(capacity)
         if old[0] is not None and self.length:
             held = self.length
             self.full_k[:, :held] = old[0][:, :held]
             self.full_v[:, :held] = old[1][:, :held]
             entries = -(-held // p) * s
             self.meta[:, :, :entries] = old[2][:, :, :entries]
+            if self.near_apart:
+                near = slice(None) if was_apart else self.rows.near
+                self.near_k[:, :held] = old[3][near, :held]
+                self.near_v[:, :held] = old[4][near, :held]
         self.capacity = capacity
 
     def _full(self, shape) -> torch.Tensor:
+        """A full-tier tensor: mapped pinned host memory where `full_mapped` asks for it (else it turns off)."""
+        if self.full_mapped:
+            mapped = mapped_host_zeros(shape, self.dtype, self.device)
+            if mapped is not None:
+                return mapped
+            self.full_mapped = False
         return torch.zeros(shape, dtype=self.dtype, device=self.device)
+
+    def _near_tier(self, capacity: int) -> None:
+        """`near_k/near_v` and `near_index` for the current rows (views of the full tier unless `near_apart`)."""
+        if self.near_apart:
+            shape = (self.rows.n_near, capacity)
+            self.near_k = torch.zeros(*shape, self.head_dim, dtype=self.dtype, device=self.device)
+            self.near_v = torch.zeros(*shape, self.value_dim, dtype=self.dtype, device=self.device)
+            self.near_index = self.rows.near_place
+        else:
+            self.near_k, self.near_v = self.full_k, self.full_v
+            self.near_index = torch.arange(self.n, device=self.device)
 
     def grow(self, capacity: int) -> None:
         """Room for `capacity` tokens per row (outside a decode step: it makes new tensors)."""
@@ -182,16 +222,24 @@ class PageStore:
         end = start + t
         self.full_k[:, start:end] = keys.reshape(self.n, t, self.head_dim)
         self.full_v[:, start:end] = values.reshape(self.n, t, self.value_dim)
-        first, last = start // self.page_size, -(-end // self.page_size)
-        self.write_meta(first, last)
+        if self.near_apart:
+            self.near_k[:, start:end] = keys.reshape(self.n, t, self.head_dim).index_select(0, self.rows.near)
+            self.near_v[:, start:end] = values.reshape(self.n, t, self.value_dim).index_select(0, self.rows.near)
+        p = self.page_size
+        first, last = start // p, -(-end // p)
+        tokens = self.full_k[:, first * p : last * p]
+        if self.near_apart:  # the full tier is host memory: only the partial pages' other tokens are read from it
+            tokens = torch.cat([self.full_k[:, first * p : start], keys.reshape(self.n, t, self.head_dim),
+                                self.full_k[:, end : last * p]], dim=1)
+        self.write_meta(first, last, tokens)
         self.length = end
         self.length_t.fill_(end)
 
-    def write_meta(self, first: int, end: int) -> None:
-        """MinMax entries of pages `[first, end)` from the tokens held (the last page's may hold stale tokens past
-        the length: an entry is read only once its page is full)."""
+    def write_meta(self, first: int, end: int, tokens: torch.Tensor) -> None:
+        """MinMax entries of pages `[first, end)` from their keys `tokens [N, (end - first) * P, D]` (the last page's
+        may hold stale tokens past the length: an entry is read only once its page is full)."""
         p, s = self.page_size, self.subpages
-        sub = self.full_k[:, first * p : end * p].reshape(self.n, (end - first) * s, p // s, self.head_dim)
+        sub = tokens.reshape(self.n, (end - first) * s, p // s, self.head_dim)
         lo, hi = torch.aminmax(sub, dim=2)  # [N, F*S, D]
         self.meta[:, :, first * s : end * s] = self.in_kind_order(torch.cat([hi, lo], dim=-1).transpose(1, 2))
 
@@ -222,6 +270,22 @@ class PageStore:
         blocks = [self.meta[: n_e]] if n_e else []
         return blocks + [self.meta[n_e + start : n_e + end]]
 
+    def key_pages(self, rows: torch.Tensor, pages: torch.Tensor, near: int = 0) -> torch.Tensor:
+        """The keys of pages `pages [n, C]` of rows `rows [n]` -> `[n * C, P, D]`. The first `near` rows are near rows
+        (unstable; the caller knows them on the host) and read from the near tier, the others from the full tier (which
+        holds every row: always right, over PCIe on a GPU)."""
+        p, d = self.page_size, self.head_dim
+        if not self.near_apart or not near:
+            return kernels.gather_pages(self.full_k.view(-1, p, d), (rows[:, None] * self.pages + pages).view(-1),
+                                        backend=self.cfg.backend)
+        at = (self.near_index.index_select(0, rows[:near])[:, None] * self.pages + pages[:near]).view(-1)
+        first = kernels.gather_pages(self.near_k.view(-1, p, d), at, backend=self.cfg.backend)
+        if near == rows.shape[0]:
+            return first
+        rest = kernels.gather_pages(self.full_k.view(-1, p, d), (rows[near:, None] * self.pages + pages[near:]).view(-1),
+                                    backend=self.cfg.backend)
+        return torch.cat([first, rest])
+
     def dense(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Every token held, `[B, H, L, D]` views of the full tier."""
         k = self.full_k.view(self.batch, self.heads, self.capacity, self.head_dim)[:, :, : self.length]
@@ -247,8 +311,12 @@ class PageStore:
         # `win_shift` holds flat indices: its rows move to new window rows.
         shift = self.win_shift.index_select(0, s_map) - self.win_base.index_select(0, s_map)
         meta_map = old_rows.kind_place.index_select(0, rows.index_select(0, new_rows.kind_order))
-        for name, row_map in (("full_k", rows), ("full_v", rows), ("meta", meta_map), ("win_k", s_map), ("win_v", s_map),
-                              ("win_pages", s_map), ("win_tok", s_map)):
+        maps = [("full_k", rows), ("full_v", rows), ("meta", meta_map), ("win_k", s_map), ("win_v", s_map),
+                ("win_pages", s_map), ("win_tok", s_map)]
+        if self.near_apart:  # a near row's tokens follow its row
+            near_map = old_rows.near_place.index_select(0, rows.index_select(0, new_rows.near))
+            maps += [("near_k", near_map), ("near_v", near_map)]
+        for name, row_map in maps:
             t = getattr(self, name)
             picked = t.index_select(0, row_map)
             if same:
@@ -257,6 +325,9 @@ class PageStore:
                 setattr(self, name, picked)
         if not same:
             self.batch, self.n, self.rows = new_batch, new_batch * h, new_rows
+            if not self.near_apart:
+                self.near_k, self.near_v = self.full_k, self.full_v
+            self.near_index = new_rows.near_place if self.near_apart else torch.arange(self.n, device=self.device)
             self.win_base = torch.arange(new_rows.n_stable + 1, device=self.device) * self.win_k.shape[1]
             self.win_shift = torch.empty_like(shift)
         self.win_shift.copy_(self.win_base + shift)

@@ -122,11 +122,11 @@ def test_rerank_schedule(interval, steps, monkeypatch):
     calls = {}  # (layer, step) -> rows ranked
     real = Selector.rank
 
-    def rank(self, q, rows, store, *a):
+    def rank(self, q, rows, store, *a, **kw):
         layer = next(layer for layer in cache.layers if layer.store is store)
         assert (layer.layer_idx, layer.host_step) not in calls  # one ranking per layer and step
         calls[layer.layer_idx, layer.host_step] = rows.clone()
-        return real(self, q, rows, store, *a)
+        return real(self, q, rows, store, *a, **kw)
 
     monkeypatch.setattr(Selector, "rank", rank)
     ids, mask = left_padded_batch(2, 30)

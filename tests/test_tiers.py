@@ -75,8 +75,9 @@ def test_tiered_equals_single_tier_bit_for_bit():
 
 
 def test_an_accelerator_counts_the_stable_full_tier_as_device_memory():
-    """This version allocates the stable rows' full tier on the accelerator (no pinned host tier yet): the memory
-    report says so there instead of crediting a host tier that does not exist (on a CPU the split is by role)."""
+    """Where the stable rows' full tier could not be mapped from host memory (a non-CUDA accelerator, or the mapping
+    failed) it is allocated on the accelerator: the memory report says so there instead of crediting a host tier that
+    does not exist (on a CPU the split is by role)."""
     model = tiny_model("llama", layers=2)
     cache = FlexiCache(model.config, FlexiCacheConfig(**CFG), _profile(model.config))
     ids, mask = left_padded_batch(2, 45, pad_lengths=[0, 7])
