@@ -23,6 +23,7 @@ from .online import OnlineClassifier, check_auto_config
 from .profile import HeadProfile, attention_shape
 from .speculative import assisted_loop, check_auto_profile, check_loop_start, generate_max_length, in_prefill
 from .step_bias import StepBias
+from .store import mark_static
 
 logger = logging.getLogger("fc_hf")
 
@@ -471,6 +472,7 @@ class FlexiCache(Cache):
         if bias is None or bias.batch != store.batch or bias.num_pages != store.pages:
             cfg = self.cache_config
             bias = StepBias(store.batch, store.pages, cfg.page_size, cfg.subpages, cfg.sink_pages, device)
+            mark_static(bias)
             self._biases[device] = bias
         return bias
 

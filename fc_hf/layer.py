@@ -18,7 +18,7 @@ from .errors import FlexiCacheError
 from .rows import HeadKinds
 from .schedule import phase_range, ranked_rows, rows_per_step
 from .selection import PageSelector
-from .store import PageStore, window_pages
+from .store import PageStore, mark_static, window_pages
 from .verify import VerifiedDecoding
 
 _METADATA_OPS = {"__get__", "size", "dim", "__repr__", "__format__", "__len__", "numel", "is_floating_point"}
@@ -150,6 +150,7 @@ class FlexiCacheLayer(VerifiedDecoding, CacheLayerMixin):
         self.recent_offsets = torch.arange(max(0, k - sink), device=dev)
         if getattr(self, "promoted", None) is None:
             self.promoted = torch.zeros((), dtype=torch.long, device=dev)  # pages promoted host -> device so far
+        mark_static(store, rows, self.selector, self)
 
     def phase_rows(self, step: int) -> tuple[torch.Tensor | None, tuple[int, int]]:
         """The stable rows (indices among them) an eager decode step `step` ranks: its phase's (None if it has none),

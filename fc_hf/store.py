@@ -61,6 +61,19 @@ def _warn_no_host_tier(device: torch.device) -> None:
         "as device memory. The CPU path and the accounting by role are unaffected; see docs/gpu.md.", device.type)
 
 
+def mark_static(*holders) -> None:
+    """Mark the tensors `holders` hold (their attributes) as static addresses: a compiled decode step reads and writes
+    them in place, and CUDA graphs (generate's reduce-overhead compile) take such inputs as they are rather than copying
+    them in at every replay or, for the ones it writes, skipping the graph (transformers' `StaticLayer` marks its K/V
+    so). Called wherever they are made (outside a decode step)."""
+    if torch.compiler.is_compiling():
+        return
+    for holder in holders:
+        for value in vars(holder).values():
+            if type(value) is torch.Tensor:
+                torch._dynamo.mark_static_address(value)
+
+
 class PageStore:
     """One layer's tensors (see the module docstring)."""
 

@@ -141,3 +141,42 @@ def test_what_is_compileable(setup):
                                                          rerank_interval=4), "auto").is_compileable
     gemma = tiny_model("gemma3")
     assert not FlexiCache(gemma.config, CFG).is_compileable
+
+
+def test_every_tensor_a_decode_step_writes_is_a_static_address(setup):
+    """CUDA graphs (generate's reduce-overhead compile) skip a graph that writes an input not marked static, so each
+    tensor of the cache that a decode step writes in place is marked (`fc_hf.store.mark_static`), as StaticLayer's
+    K/V are."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    model, ids, mask, profile = setup
+    cache = FlexiCache(model.config, CFG, profile)
+    written = set()
+
+    class Writes(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            for arg, spec in zip(args, func._schema.arguments):
+                if isinstance(arg, torch.Tensor) and spec.alias_info is not None and spec.alias_info.is_write:
+                    written.add(arg.untyped_storage().data_ptr())
+            return func(*args, **(kwargs or {}))
+
+    with torch.no_grad():
+        out = model(input_ids=ids, attention_mask=mask, **cache_kwargs(model, cache), use_cache=True)
+        token, step_mask = out.logits[:, -1:].argmax(-1), mask
+        with Writes():
+            for _ in range(6):  # the first step ranks every stable row, later ones a phase's
+                step_mask = torch.cat([step_mask, torch.ones_like(step_mask[:, :1])], 1)
+                out = model(input_ids=token, attention_mask=step_mask, **cache_kwargs(model, cache), use_cache=True)
+                token = out.logits[:, -1:].argmax(-1)
+    held = {}  # storage -> the cache's tensors on it (near_k is full_k without a split)
+    for layer in cache.layers:
+        for holder in (layer, layer.store, layer.store.rows, layer.selector, *cache._biases.values()):
+            for name, value in vars(holder).items():
+                if type(value) is torch.Tensor:
+                    held.setdefault(value.untyped_storage().data_ptr(), []).append((type(holder).__name__, name, value))
+    persistent = [entry for ptr in written for entry in held.get(ptr, [])]
+    names = {(owner, name) for owner, name, _ in persistent}
+    assert {("PageStore", "full_k"), ("PageStore", "win_k"), ("PageSelector", "carried_pages")} <= names
+    unmarked = sorted({(owner, name) for owner, name, t in persistent
+                       if getattr(t, "_dynamo_static_input_type", None) is None})
+    assert not unmarked, f"written by a decode step but not static: {unmarked}"
