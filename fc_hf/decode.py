@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .kernels import dispatch as kernels
+from .rows import page_index
 from .schedule import due_rows
 from .selection import Ranking
 from .step_bias import StepBias
@@ -34,14 +35,21 @@ class DecodeContext:
     step: torch.Tensor
     bias: StepBias
     ready: bool = field(default=False)
-    _due: dict = field(default_factory=dict)
+    _shared: dict = field(default_factory=dict)  # per-step values computed once for the layers that share them
 
     def due(self, n_stable: int, interval: int, places: torch.Tensor) -> torch.Tensor:
         """`schedule.due_rows` at this step, computed once for the layers that share a count of stable rows."""
         key = (n_stable, interval, places.numel())
-        if key not in self._due:
-            self._due[key] = due_rows(self.step, n_stable, interval, places)
-        return self._due[key]
+        if key not in self._shared:
+            self._shared[key] = due_rows(self.step, n_stable, interval, places)
+        return self._shared[key]
+
+    def subpage(self, length: int) -> torch.Tensor:
+        """`[1]`: the sub-page of `length` tokens the new token falls in, computed once for the layers that share it."""
+        key = ("subpage", length)
+        if key not in self._shared:
+            self._shared[key] = (self.position // length).view(1)
+        return self._shared[key]
 
     def masks(self, attention_mask) -> StepBias:
         if not self.ready:
@@ -70,7 +78,7 @@ def append(layer, key: torch.Tensor, value: torch.Tensor, ctx: DecodeContext) ->
         slot = store.win_shift[: stable.numel()] + pos
         store.win_k.view(-1, d).index_copy_(0, slot, keys.index_select(0, stable))
         store.win_v.view(-1, dv).index_copy_(0, slot, values.index_select(0, stable))
-    store.refresh_subpages((pos // (store.page_size // store.subpages)).view(1))
+    store.refresh_subpages(ctx.subpage(store.page_size // store.subpages))
     store.length_t.add_(1)
 
 
@@ -91,13 +99,17 @@ def attend(layer, query: torch.Tensor, ctx: DecodeContext, attention_mask, scali
         stable_ranked, span = layer.phase_rows(layer.host_step)
     elif n_s:  # compiled: the phase's rows padded to `ceil(n_s / R)` places (the same graph every step)
         stable_ranked, span = ctx.due(n_s, layer.cfg.rerank_interval, layer.places), None
-    ranking = None
+    ranking, real = None, None
     if n_e or stable_ranked is not None:
-        ranked = rows.unstable if stable_ranked is None else torch.cat(
-            [rows.unstable, layer.stable_rows.index_select(0, stable_ranked)])
+        if layer.host_step is not None:  # eager: the rows known on the host, none padded (made once per span)
+            ranked, real, seq = layer.step_rows(span)
+        else:
+            ranked = rows.unstable if stable_ranked is None else torch.cat(
+                [rows.unstable, layer.stable_rows.index_select(0, stable_ranked)])
+            real, seq = ranked.clamp(max=n - 1), None  # a padded place computes on a real row
         minmax = None if span is None else store.minmax_views(*span)  # read in place (kind-major MinMax rows)
-        ranking = selector.rank(q.index_select(0, ranked.clamp(max=n - 1)), ranked, store, bias, scaling, minmax,
-                                near=n_e)
+        ranking = selector.rank(q.index_select(0, real), ranked, store, bias, scaling, minmax, near=n_e, real=real,
+                                seq=seq)
         layer.note_ranking(ranking, n_e, ranked)
     if n_e:
         _attend_unstable(layer, q, ranking, bias, scaling, softcap, out)
@@ -105,21 +117,23 @@ def attend(layer, query: torch.Tensor, ctx: DecodeContext, attention_mask, scali
     if n_s:
         moves = stable_ranked is not None
         if moves and not deferred:
-            _move(layer, ranking, stable_ranked, n_e, bias, span)
+            _move(layer, ranking, stable_ranked, real[n_e:], bias, span)
         layer.note_windows()
         _attend_windows(layer, q, bias, scaling, softcap, out)
         if moves and deferred:
-            _move(layer, ranking, stable_ranked, n_e, bias, span)
+            _move(layer, ranking, stable_ranked, real[n_e:], bias, span)
         layer.rank_all = False
     if rows.n_streaming:
         _attend_streaming(layer, q, bias, scaling, softcap, out)
     return out.view(b, hq, store.value_dim).unsqueeze(1)
 
 
-def _move(layer, ranking: Ranking, stable_ranked: torch.Tensor, n_e: int, bias: StepBias, span) -> None:
-    store = layer.store
-    rows = layer.stable_rows.index_select(0, stable_ranked).clamp(max=store.n - 1)
-    move_windows(store, stable_ranked, rows, ranking.pages[n_e:], bias.page, layer.promoted, span)
+def _move(layer, ranking: Ranking, stable_ranked: torch.Tensor, rows: torch.Tensor, bias: StepBias, span) -> None:
+    """The new windows of the stable rows that ranked (`stable_ranked` among them; their rows `rows`, a padded place
+    on a real row), the last `len(rows)` of `ranking`."""
+    n = rows.shape[0]
+    move_windows(layer.store, stable_ranked, rows, ranking.pages[ranking.pages.shape[0] - n :], bias.page,
+                 layer.promoted, span)
 
 
 def _write(out: torch.Tensor, rows: torch.Tensor, every_row: bool, result: torch.Tensor) -> None:
@@ -154,7 +168,7 @@ def attend_chosen(layer, ranking: Ranking, m: int, page_starts: torch.Tensor, qu
         logits = logits.gather(2, ranking.top[:m, None, :, None].expand(m, g, k, p)).view(m, g, k * p)
         return kernels.attention_from_logits(logits, values, backend=backend)
     keys = kernels.gather_pages(store.near_k.view(-1, p, store.head_dim), at, backend=backend).view(m, k * p, -1)
-    tok = bias.page_rows.index_select(0, (sequences()[:, None] * (store.pages + 1) + chosen).view(-1)).view(m, -1)
+    tok = bias.page_rows.index_select(0, page_index(sequences()[:, None], chosen, store.pages + 1).view(-1)).view(m, -1)
     return kernels.attention(queries(), keys, values, tok, scaling, softcap, backend=backend)
 
 
@@ -181,7 +195,7 @@ def _attend_streaming(layer, q, bias: StepBias, scaling, softcap, out) -> None:
     keys = kernels.gather_pages(store.near_k.view(-1, p, store.head_dim), at, backend=cfg.backend).view(n_x, k * p, -1)
     values = kernels.gather_pages(store.near_v.view(-1, p, store.value_dim), at, backend=cfg.backend).view(n_x, k * p, -1)
     seq = rows.batch_of.index_select(0, rows.streaming)
-    tok = bias.page_rows.index_select(0, (seq[:, None] * (store.pages + 1) + pages).view(-1)).view(n_x, -1)
+    tok = bias.page_rows.index_select(0, page_index(seq[:, None], pages, store.pages + 1).view(-1)).view(n_x, -1)
     result = kernels.attention(q.index_select(0, rows.streaming), keys, values, tok, scaling, softcap,
                                backend=cfg.backend)
     out.index_copy_(0, rows.streaming, result)

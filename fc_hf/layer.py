@@ -151,6 +151,7 @@ class FlexiCacheLayer(VerifiedDecoding, CacheLayerMixin):
         if getattr(self, "promoted", None) is None:
             self.promoted = torch.zeros((), dtype=torch.long, device=dev)  # pages promoted host -> device so far
         mark_static(store, rows, self.selector, self)
+        self._step_rows = {}  # eager steps' ranked rows by span of stable rows (`step_rows`)
 
     def phase_rows(self, step: int) -> tuple[torch.Tensor | None, tuple[int, int]]:
         """The stable rows (indices among them) an eager decode step `step` ranks: its phase's (None if it has none),
@@ -159,6 +160,16 @@ class FlexiCacheLayer(VerifiedDecoding, CacheLayerMixin):
         is."""
         start, end = phase_range(step % self.cfg.rerank_interval, self.store.rows.n_stable, self.cfg.rerank_interval)
         return (self.stable_all[start:end] if end > start else None), (start, end)
+
+    def step_rows(self, span: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The rows an eager decode step ranks: the unstable rows, then the stable rows `[start, end)` (indices among
+        them), none padded; as `(rows, real rows, sequences)` for `PageSelector.rank` (made once per span)."""
+        plan = self._step_rows.get(span)
+        if plan is None:
+            rows = self.store.rows
+            ranked = torch.cat([rows.unstable, rows.stable[span[0] : span[1]]])
+            plan = self._step_rows[span] = (ranked, ranked, rows.batch_of.index_select(0, ranked))
+        return plan
 
     def grow(self, capacity: int) -> None:
         """Room for `capacity` tokens (outside a decode step)."""

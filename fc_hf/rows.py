@@ -17,6 +17,12 @@ import torch
 UNSTABLE, STREAMING, STABLE = "unstable", "streaming", "stable"
 
 
+def page_index(first: torch.Tensor, pages: torch.Tensor, stride: int) -> torch.Tensor:
+    """The flat index of pages `pages` of rows (or sequences) `first`, each `stride` pages long: `first * stride +
+    pages`, broadcast, in one op (a decode step issues many of these)."""
+    return torch.add(pages, first, alpha=stride)
+
+
 @dataclass(frozen=True)
 class HeadKinds:
     """The heads of one layer by kind (each list sorted)."""

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from .kernels import dispatch as kernels
+from .rows import page_index
 
 POS_INF = float("inf")
 NEG_INF = float("-inf")
@@ -59,13 +60,17 @@ class PageSelector:
 
     # -- the ranking -------------------------------------------------------------------------------------------
     def rank(self, query: torch.Tensor, rows: torch.Tensor, store, bias, scaling: float,
-             minmax: list[torch.Tensor] | None = None, near: int = 0) -> Ranking:
+             minmax: list[torch.Tensor] | None = None, near: int = 0, real: torch.Tensor | None = None,
+             seq: torch.Tensor | None = None) -> Ranking:
         """Rank rows `rows [n]` (a row index; `store.n` for a padded place, whose results are not kept) for their queries
         `query [n, G, D]` at this step. `bias` is the step's `StepBias`. `minmax`: the rows' MinMax entries as views of
         the cache (`PageStore.minmax_views`), where the caller knows them on the host; else they are gathered. `near`:
-        the leading rows that are unstable (their candidates' keys are read from the near tier, `PageStore.key_pages`)."""
-        real = rows.clamp(max=store.n - 1)  # padded places compute on a real row; their writes go to the extra row
-        seq = store.rows.batch_of.index_select(0, real)
+        the leading rows that are unstable (their candidates' keys are read from the near tier, `PageStore.key_pages`).
+        `real`, `seq`: the rows with padded places on a real row, and their sequences, where the caller has them."""
+        if real is None:
+            real = rows.clamp(max=store.n - 1)  # padded places compute on a real row; their writes go to the extra row
+        if seq is None:
+            seq = store.rows.batch_of.index_select(0, real)
         scores = self._scores(query, real, seq, store, bias, minmax)
         if not self.refine:
             return Ranking(self._top(scores))
@@ -166,7 +171,7 @@ class PageSelector:
         k = min(self.k, store.pages)
         n, c = cand.shape
         keys = store.key_pages(real, cand, near)  # the first `near` rows' from the near tier
-        tok_bias = bias.page_rows.index_select(0, (seq[:, None] * (store.pages + 1) + cand).view(-1))  # [n*C, P]
+        tok_bias = bias.page_rows.index_select(0, page_index(seq[:, None], cand, store.pages + 1).view(-1))  # [n*C, P]
         mass, logits = kernels.candidate_mass(query, keys.view(n, c * store.page_size, -1), tok_bias.view(n, -1),
                                               cand_scores, scaling, store.page_size, backend=self.cfg.backend)
         out = self._carry_out(cand, mass, page) if self.carry else None
@@ -181,7 +186,7 @@ class PageSelector:
         best = cand.gather(1, top.indices)[..., None]  # [n, carry, 1]
         limit = page.view(-1, 1, 1) if page.dim() else page
         pages = torch.minimum(best + self._successor, limit).flatten(1)
-        score = torch.where(top.values[..., None] > 0, self._carried_score, self._neg_inf).expand(-1, -1, 2).flatten(1)
+        score = torch.where((top.values[..., None] > 0).expand(-1, -1, 2), self._carried_score, self._neg_inf).flatten(1)
         missing = self.carried_pages.shape[1] - pages.shape[1]
         if missing:  # fewer candidates than pages to carry (a small capacity): the other places carry nothing
             pages = torch.cat([pages, pages.new_zeros(pages.shape[0], missing)], dim=1)

@@ -41,7 +41,7 @@ from transformers.utils import logging
 
 from .host_memory import mapped_host_zeros
 from .kernels import dispatch as kernels
-from .rows import HeadKinds, RowIndex
+from .rows import HeadKinds, RowIndex, page_index
 from .tiers import window_pages_of
 
 logger = logging.get_logger(__name__)
@@ -289,14 +289,14 @@ class PageStore:
         holds every row: always right, over PCIe on a GPU)."""
         p, d = self.page_size, self.head_dim
         if not self.near_apart or not near:
-            return kernels.gather_pages(self.full_k.view(-1, p, d), (rows[:, None] * self.pages + pages).view(-1),
+            return kernels.gather_pages(self.full_k.view(-1, p, d), page_index(rows[:, None], pages, self.pages).view(-1),
                                         backend=self.cfg.backend)
-        at = (self.near_index.index_select(0, rows[:near])[:, None] * self.pages + pages[:near]).view(-1)
+        at = page_index(self.near_index.index_select(0, rows[:near])[:, None], pages[:near], self.pages).view(-1)
         first = kernels.gather_pages(self.near_k.view(-1, p, d), at, backend=self.cfg.backend)
         if near == rows.shape[0]:
             return first
-        rest = kernels.gather_pages(self.full_k.view(-1, p, d), (rows[near:, None] * self.pages + pages[near:]).view(-1),
-                                    backend=self.cfg.backend)
+        rest = kernels.gather_pages(self.full_k.view(-1, p, d), page_index(rows[near:, None], pages[near:],
+                                                                           self.pages).view(-1), backend=self.cfg.backend)
         return torch.cat([first, rest])
 
     def dense(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -354,14 +354,16 @@ class PageStore:
         self.win_pages.fill_(-1)  # nothing of the windows is kept: the next ranking fills them from the host tier
         self.window_tokens()
 
-    def window_tokens(self, local: torch.Tensor | None = None, window: torch.Tensor | None = None) -> None:
+    def window_tokens(self, local: torch.Tensor | None = None, window: torch.Tensor | None = None,
+                      seq: torch.Tensor | None = None) -> None:
         """`win_tok` of the stable rows `local` (all with None) from their `win_pages` (or `window`, what was just
-        written there) and their sequences."""
+        written there) and their sequences (`seq`, where the caller has them)."""
         if local is None:
             local = torch.arange(self.rows.n_stable + 1, device=self.device)
         if window is None:
             window = self.win_pages.index_select(0, local)
-        seq = self.rows.stable_batch.index_select(0, local)
+        if seq is None:
+            seq = self.rows.stable_batch.index_select(0, local)
         self.win_tok.index_copy_(0, local, self.token_index(seq, window))
 
     def token_index(self, seq: torch.Tensor, window: torch.Tensor) -> torch.Tensor:
@@ -370,7 +372,7 @@ class PageStore:
         the null page `pages` (masked). -> `[n, W * P]`."""
         p, pages = self.page_size, self.pages
         page = torch.where((window >= 0) & (window < pages), window, pages)
-        tok = ((seq[:, None] * (pages + 1) + page) * p)[:, :, None] + self._in_page
+        tok = torch.add(self._in_page, page_index(seq[:, None], page, pages + 1)[:, :, None], alpha=p)
         return tok.view(window.shape[0], -1)
 
     def refill_windows(self, local: torch.Tensor) -> None:

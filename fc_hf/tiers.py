@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from .kernels import dispatch as kernels
+from .rows import page_index
 
 
 def plan_windows(store, pages: torch.Tensor, page: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -48,7 +49,7 @@ def window_pages_of(store, rows: torch.Tensor, window: torch.Tensor, tier: torch
     `[n, W * P, D]`; a position without a page (or past the capacity) reads page 0 (its tokens are masked)."""
     p = store.page_size
     page = torch.where((window >= 0) & (window < store.pages), window, 0)
-    source = (rows[:, None] * store.pages + page).view(-1)
+    source = page_index(rows[:, None], page, store.pages).view(-1)
     return kernels.gather_pages(tier.view(-1, p, tier.shape[-1]), source,
                                 backend=store.cfg.backend).view(rows.numel(), -1, tier.shape[-1])
 
@@ -63,9 +64,9 @@ def move_windows(store, local: torch.Tensor, rows: torch.Tensor, pages: torch.Te
     window, source, present = plan_windows(store, pages, page)
     if store.host_tier:  # without a host tier (offload off) a window is filled from device memory: no promotion
         fresh = newly_resident(window, store.win_pages.index_select(0, local), present)
-        promoted.add_((fresh & (local < store.rows.n_stable)[:, None]).sum())
+        promoted.add_((fresh if span is not None else fresh & (local < store.rows.n_stable)[:, None]).sum())
     n = local.numel()
-    at = (rows[:, None] * store.pages + source).view(-1)
+    at = page_index(rows[:, None], source, store.pages).view(-1)
     backend = store.cfg.backend
     for tier, win in ((store.full_k, store.win_k), (store.full_v, store.win_v)):
         pages_of = tier.view(-1, p, tier.shape[-1])
@@ -77,5 +78,6 @@ def move_windows(store, local: torch.Tensor, rows: torch.Tensor, pages: torch.Te
         else:
             win[:, : k * p].index_copy_(0, local, kernels.gather_pages(pages_of, at, backend=backend).view(n, k * p, -1))
     store.win_pages.index_copy_(0, local, window)
-    store.win_shift.index_copy_(0, local, store.win_base.index_select(0, local) + (k - 1 - page) * p)
-    store.window_tokens(local, window)
+    base = store.win_base[span[0] : span[1]] if span is not None else store.win_base.index_select(0, local)
+    store.win_shift.index_copy_(0, local, base + (k - 1 - page) * p)
+    store.window_tokens(local, window, None if span is None else store.rows.stable_batch[span[0] : span[1]])

@@ -37,10 +37,8 @@ def page_scores(query: torch.Tensor, meta: torch.Tensor, bias: torch.Tensor, sub
     Returns:
         `torch.Tensor` of shape `[n, E / S]`, fp32.
     """
-    scores = quest_bounds(query, meta, bias).amax(dim=1)
-    if subpages > 1:
-        scores = scores.view(scores.shape[0], -1, subpages).amax(dim=-1)
-    return scores
+    bounds = quest_bounds(query, meta, bias)  # [n, G, E]
+    return bounds.view(*bounds.shape[:2], -1, subpages).amax(dim=(1, 3))  # one reduction over the group and sub-pages
 
 
 def quest_bounds(query: torch.Tensor, meta: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -26,8 +26,8 @@ def test_refine_with_every_page_as_candidate_is_the_exact_selection():
         seen = []
         real = PageSelector.rank
 
-        def spy(self, query, rows, store, bias, scaling, minmax=None, near=0, _real=real, _seen=seen):
-            out = _real(self, query, rows, store, bias, scaling, minmax, near)
+        def spy(self, query, rows, store, bias, scaling, minmax=None, _real=real, _seen=seen, **kw):
+            out = _real(self, query, rows, store, bias, scaling, minmax, **kw)
             if store is cache.flexi_layers[1].store:
                 length = int(store.length_t)
                 n, np_ = rows.numel(), -(-length // 16)
