@@ -90,7 +90,8 @@ def attend(layer, query: torch.Tensor, ctx: DecodeContext, attention_mask, scali
     n, g = store.n, hq // store.heads
     bias = ctx.masks(attention_mask)
     q = query.reshape(n, g, d)
-    out = query.new_empty(n, g, store.value_dim)
+    # Where one kind holds every row its result is the output; else each kind's rows are written into it.
+    out = None if layer.every_row_unstable or layer.every_row_stable else query.new_empty(n, g, store.value_dim)
     n_e, n_s = rows.n_unstable, rows.n_stable
     stable_ranked, span = None, (0, 0)  # span: the stable rows ranked, where the host knows them (eager)
     if n_s and layer.rank_all:  # the first step after a prompt: every stable row, its new window at once
@@ -112,19 +113,19 @@ def attend(layer, query: torch.Tensor, ctx: DecodeContext, attention_mask, scali
                                 seq=seq)
         layer.note_ranking(ranking, n_e, ranked)
     if n_e:
-        _attend_unstable(layer, q, ranking, bias, scaling, softcap, out)
+        out = _put(out, rows.unstable, _attend_unstable(layer, q, ranking, bias, scaling, softcap))
     deferred = layer.cfg.promotion == "deferred" and not layer.rank_all
     if n_s:
         moves = stable_ranked is not None
         if moves and not deferred:
             _move(layer, ranking, stable_ranked, real[n_e:], bias, span)
         layer.note_windows()
-        _attend_windows(layer, q, bias, scaling, softcap, out)
+        out = _put(out, rows.stable, _attend_windows(layer, q, bias, scaling, softcap))
         if moves and deferred:
             _move(layer, ranking, stable_ranked, real[n_e:], bias, span)
         layer.rank_all = False
     if rows.n_streaming:
-        _attend_streaming(layer, q, bias, scaling, softcap, out)
+        out = _put(out, rows.streaming, _attend_streaming(layer, q, bias, scaling, softcap))
     return out.view(b, hq, store.value_dim).unsqueeze(1)
 
 
@@ -136,26 +137,24 @@ def _move(layer, ranking: Ranking, stable_ranked: torch.Tensor, rows: torch.Tens
                  layer.promoted, span)
 
 
-def _write(out: torch.Tensor, rows: torch.Tensor, every_row: bool, result: torch.Tensor) -> None:
-    if every_row:
-        out.copy_(result)
-    else:
-        out.index_copy_(0, rows, result)
+def _put(out: torch.Tensor | None, rows: torch.Tensor, result: torch.Tensor) -> torch.Tensor:
+    """The step's output with `result` as rows `rows` of it (`out` None: `result` covers every row)."""
+    return result if out is None else out.index_copy_(0, rows, result)
 
 
-def _attend_unstable(layer, q, ranking: Ranking, bias: StepBias, scaling, softcap, out) -> None:
+def _attend_unstable(layer, q, ranking: Ranking, bias: StepBias, scaling, softcap) -> torch.Tensor:
     rows = layer.store.rows
-    result = attend_chosen(layer, ranking, rows.n_unstable, layer.unstable_page_starts,
-                           lambda: q if layer.every_row_unstable else q.index_select(0, rows.unstable),
-                           lambda: rows.batch_of.index_select(0, rows.unstable), bias, scaling, softcap)
-    _write(out, rows.unstable, layer.every_row_unstable, result)
+    return attend_chosen(layer, ranking, rows.n_unstable, layer.unstable_page_starts,
+                         lambda: q if layer.every_row_unstable else q.index_select(0, rows.unstable),
+                         lambda: rows.batch_of.index_select(0, rows.unstable), bias, scaling, softcap)
 
 
 def attend_chosen(layer, ranking: Ranking, m: int, page_starts: torch.Tensor, queries, sequences, bias: StepBias,
                   scaling, softcap) -> torch.Tensor:
     """Attention of the first `m` rows of `ranking` over the pages it chose for them -> `[m, G, Dv]`: the ranking's own
     logits of those pages re-used where it kept them (refinement, no softcap), else their keys gathered. `page_starts
-    [m, 1]`: each row's first page in the near tier (`PageStore.near_index`: the rows are unstable); `queries()` and `sequences()` give the rows' queries `[m, G, D]`
+    [m, 1]`: each row's first page in the near tier (`PageStore.near_index`: the rows are unstable); `queries()` and
+    `sequences()` give the rows' queries `[m, G, D]`
     and sequences `[m]`, read only on the second path."""
     store, backend, p = layer.store, layer.cfg.backend, layer.store.page_size
     chosen = ranking.pages[:m]
@@ -172,18 +171,17 @@ def attend_chosen(layer, ranking: Ranking, m: int, page_starts: torch.Tensor, qu
     return kernels.attention(queries(), keys, values, tok, scaling, softcap, backend=backend)
 
 
-def _attend_windows(layer, q, bias: StepBias, scaling, softcap, out) -> None:
+def _attend_windows(layer, q, bias: StepBias, scaling, softcap) -> torch.Tensor:
     store, rows = layer.store, layer.store.rows
     n_s = rows.n_stable
     every = layer.every_row_stable
     q_s = q if every else q.index_select(0, rows.stable)
     tok = bias.flat.index_select(0, store.win_tok[:n_s].view(-1)).view(n_s, -1)
-    result = kernels.attention(q_s, store.win_k[:n_s], store.win_v[:n_s], tok, scaling, softcap,
-                               backend=layer.cfg.backend)
-    _write(out, rows.stable, every, result)
+    return kernels.attention(q_s, store.win_k[:n_s], store.win_v[:n_s], tok, scaling, softcap,
+                             backend=layer.cfg.backend)
 
 
-def _attend_streaming(layer, q, bias: StepBias, scaling, softcap, out) -> None:
+def _attend_streaming(layer, q, bias: StepBias, scaling, softcap) -> torch.Tensor:
     """The LServe-like baseline's streaming rows: the first `streaming_sink_pages` pages and the most recent ones, K in
     all (every page while there are at most K)."""
     store, rows, cfg = layer.store, layer.store.rows, layer.cfg
@@ -196,6 +194,5 @@ def _attend_streaming(layer, q, bias: StepBias, scaling, softcap, out) -> None:
     values = kernels.gather_pages(store.near_v.view(-1, p, store.value_dim), at, backend=cfg.backend).view(n_x, k * p, -1)
     seq = rows.batch_of.index_select(0, rows.streaming)
     tok = bias.page_rows.index_select(0, page_index(seq[:, None], pages, store.pages + 1).view(-1)).view(n_x, -1)
-    result = kernels.attention(q.index_select(0, rows.streaming), keys, values, tok, scaling, softcap,
-                               backend=cfg.backend)
-    out.index_copy_(0, rows.streaming, result)
+    return kernels.attention(q.index_select(0, rows.streaming), keys, values, tok, scaling, softcap,
+                             backend=cfg.backend)

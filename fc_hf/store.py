@@ -288,16 +288,16 @@ class PageStore:
         (unstable; the caller knows them on the host) and read from the near tier, the others from the full tier (which
         holds every row: always right, over PCIe on a GPU)."""
         p, d = self.page_size, self.head_dim
+        def gather(tier, tier_rows, tier_pages):
+            at = page_index(tier_rows[:, None], tier_pages, self.pages).view(-1)
+            return kernels.gather_pages(tier.view(-1, p, d), at, backend=self.cfg.backend)
+
         if not self.near_apart or not near:
-            return kernels.gather_pages(self.full_k.view(-1, p, d), page_index(rows[:, None], pages, self.pages).view(-1),
-                                        backend=self.cfg.backend)
-        at = page_index(self.near_index.index_select(0, rows[:near])[:, None], pages[:near], self.pages).view(-1)
-        first = kernels.gather_pages(self.near_k.view(-1, p, d), at, backend=self.cfg.backend)
+            return gather(self.full_k, rows, pages)
+        first = gather(self.near_k, self.near_index.index_select(0, rows[:near]), pages[:near])
         if near == rows.shape[0]:
             return first
-        rest = kernels.gather_pages(self.full_k.view(-1, p, d), page_index(rows[near:, None], pages[near:],
-                                                                           self.pages).view(-1), backend=self.cfg.backend)
-        return torch.cat([first, rest])
+        return torch.cat([first, gather(self.full_k, rows[near:], pages[near:])])
 
     def dense(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Every token held, `[B, H, L, D]` views of the full tier."""
@@ -371,7 +371,7 @@ class PageStore:
         `p`'s token `t` of sequence `b` is `(b * (pages + 1) + p) * P + t`; no page (-1, or one past the capacity) is
         the null page `pages` (masked). -> `[n, W * P]`."""
         p, pages = self.page_size, self.pages
-        page = torch.where((window >= 0) & (window < pages), window, pages)
+        page = window.clamp(-1, pages).remainder(pages + 1)  # -1 and past the capacity: the null page `pages`
         tok = torch.add(self._in_page, page_index(seq[:, None], page, pages + 1)[:, :, None], alpha=p)
         return tok.view(window.shape[0], -1)
 
