@@ -16,7 +16,7 @@ from transformers.cache_utils import CacheLayerMixin
 from . import decode
 from .errors import FlexiCacheError
 from .rows import HeadKinds
-from .schedule import phase_range, ranked_rows, rows_per_step
+from .schedule import phase_of, phase_range, ranked_rows, rows_per_step
 from .selection import PageSelector
 from .store import PageStore, mark_static, window_pages
 from .verify import VerifiedDecoding
@@ -151,7 +151,13 @@ class FlexiCacheLayer(VerifiedDecoding, CacheLayerMixin):
         if getattr(self, "promoted", None) is None:
             self.promoted = torch.zeros((), dtype=torch.long, device=dev)  # pages promoted host -> device so far
         mark_static(store, rows, self.selector, self)
-        self._step_rows = {}  # eager steps' ranked rows by span of stable rows (`step_rows`)
+        # Eager steps' ranked rows by span of stable rows (`step_rows`), made now for every span a step can have (the
+        # empty one, every stable row, each phase's), so every step of a phase issues the same ops.
+        n_s, interval = rows.n_stable, self.cfg.rerank_interval
+        spans = {(0, 0), (0, n_s)} | {phase_range(phase_of(j, n_s, interval), n_s, interval) for j in range(n_s)}
+        self._step_rows = {}
+        for span in spans:
+            self._step_rows[span] = self._make_step_rows(span)
 
     def phase_rows(self, step: int) -> tuple[torch.Tensor | None, tuple[int, int]]:
         """The stable rows (indices among them) an eager decode step `step` ranks: its phase's (None if it has none),
@@ -164,12 +170,12 @@ class FlexiCacheLayer(VerifiedDecoding, CacheLayerMixin):
     def step_rows(self, span: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The rows an eager decode step ranks: the unstable rows, then the stable rows `[start, end)` (indices among
         them), none padded; as `(rows, real rows, sequences)` for `PageSelector.rank` (made once per span)."""
-        plan = self._step_rows.get(span)
-        if plan is None:
-            rows = self.store.rows
-            ranked = torch.cat([rows.unstable, rows.stable[span[0] : span[1]]])
-            plan = self._step_rows[span] = (ranked, ranked, rows.batch_of.index_select(0, ranked))
-        return plan
+        return self._step_rows[span if span[1] > span[0] else (0, 0)]
+
+    def _make_step_rows(self, span: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        rows = self.store.rows
+        ranked = torch.cat([rows.unstable, rows.stable[span[0] : span[1]]])
+        return ranked, ranked, rows.batch_of.index_select(0, ranked)
 
     def grow(self, capacity: int) -> None:
         """Room for `capacity` tokens (outside a decode step)."""

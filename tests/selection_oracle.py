@@ -49,8 +49,8 @@ def spy(log: dict):
     window pages at the moment they attend."""
     real_rank, real_windows = PageSelector.rank, decode._attend_windows
 
-    def rank(selector, query, rows, store, bias, scaling, minmax=None):
-        out = real_rank(selector, query, rows, store, bias, scaling, minmax)
+    def rank(selector, query, rows, store, bias, scaling, minmax=None, **kw):
+        out = real_rank(selector, query, rows, store, bias, scaling, minmax, **kw)
         log["ranked"] = (rows.clone(), out.pages.clone())
         return out
 

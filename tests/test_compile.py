@@ -163,17 +163,18 @@ def test_every_tensor_a_decode_step_writes_is_a_static_address(setup):
     with torch.no_grad():
         out = model(input_ids=ids, attention_mask=mask, **cache_kwargs(model, cache), use_cache=True)
         token, step_mask = out.logits[:, -1:].argmax(-1), mask
+        held = {}  # storage -> the cache's tensors on it (near_k is full_k without a split), held through the steps
+        for layer in cache.layers:
+            for holder in (layer, layer.store, layer.store.rows, layer.selector, *cache._biases.values()):
+                for name, value in vars(holder).items():
+                    if type(value) is torch.Tensor:
+                        held.setdefault(value.untyped_storage().data_ptr(), []).append(
+                            (type(holder).__name__, name, value))
         with Writes():
             for _ in range(6):  # the first step ranks every stable row, later ones a phase's
                 step_mask = torch.cat([step_mask, torch.ones_like(step_mask[:, :1])], 1)
                 out = model(input_ids=token, attention_mask=step_mask, **cache_kwargs(model, cache), use_cache=True)
                 token = out.logits[:, -1:].argmax(-1)
-    held = {}  # storage -> the cache's tensors on it (near_k is full_k without a split)
-    for layer in cache.layers:
-        for holder in (layer, layer.store, layer.store.rows, layer.selector, *cache._biases.values()):
-            for name, value in vars(holder).items():
-                if type(value) is torch.Tensor:
-                    held.setdefault(value.untyped_storage().data_ptr(), []).append((type(holder).__name__, name, value))
     persistent = [entry for ptr in written for entry in held.get(ptr, [])]
     names = {(owner, name) for owner, name, _ in persistent}
     assert {("PageStore", "full_k"), ("PageStore", "win_k"), ("PageSelector", "carried_pages")} <= names

@@ -120,8 +120,8 @@ def test_mutant_kmax_kmin_swapped_in_scoring(monkeypatch):
 def test_mutant_kmax_kmin_swapped_when_written(monkeypatch):
     real = store_module.PageStore.write_meta
 
-    def swapped(self, first, end):
-        real(self, first, end)
+    def swapped(self, first, end, *args):
+        real(self, first, end, *args)
         s, d = self.subpages, self.head_dim
         entries = self.meta[:, :, first * s : end * s]
         entries.copy_(torch.cat([entries[:, d:], entries[:, :d]], 1))
@@ -179,10 +179,10 @@ def test_mutant_refinement_skipped(monkeypatch):
     """refine_pages set, but the top K of the proposal score are kept as they are."""
     real = selection.PageSelector.rank
 
-    def bound_only(self, *args):
+    def bound_only(self, *args, **kwargs):
         refine, self.refine = self.refine, 0
         try:
-            return real(self, *args)
+            return real(self, *args, **kwargs)
         finally:
             self.refine = refine
 
@@ -223,14 +223,14 @@ def test_mutant_stable_heads_forget_pages_created_since_rank(monkeypatch):
     """A window drops the pages opened after its ranking (they are not read)."""
     real = store_module.PageStore.window_tokens
 
-    def forgetful(self, local=None, window=None):
+    def forgetful(self, local=None, window=None, seq=None):
         k = self.cfg.pages_per_head
         if window is not None:
             window = window.clone()
             window[:, k:] = -1
         saved = self.win_pages[:, k:].clone()
         self.win_pages[:, k:] = -1
-        real(self, local, window)
+        real(self, local, window, seq)
         self.win_pages[:, k:] = saved
 
     monkeypatch.setattr(store_module.PageStore, "window_tokens", forgetful)
