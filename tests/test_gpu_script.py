@@ -172,7 +172,7 @@ def test_no_case_starts_past_the_time_budget(monkeypatch, tmp_path, capsys):
     assert [r.get("skipped") for r in record["results"]] == ["stopped at the time budget"] * 2 and not record["workers"]
     assert (tmp_path / "gpu_bench.md").read_text().count("skipped: stopped at the time budget") == 2
 
-    args = bench_gpu.argparse.Namespace(device="cpu", model="tiny", layers=2, steps=3, warmup=2, cap_gb=1.0,
+    args = bench_gpu.argparse.Namespace(device="cpu", model="tiny", layers=2, steps=3, warmup=2, cap_gb=1.0, host_cap_gb=None,
                                         compile_backend="aot_eager")
     cases = [bench_gpu.case(label, 1, 96, 2, 64) for label in ("static, compiled", "static")]
     spec = {"settings": bench_gpu._settings(args), "cases": cases, "deadline": time.time() + 60,

@@ -11,7 +11,8 @@ eagerly (profiled: which sdpa kernel ran), `--warmup` more untimed (compiling, r
 timed: a CUDA event after every step and no synchronize among them; p50, p99 and the slowest step, tok/s from the
 mean. Device memory, weights excluded: the larger of the allocator's peak over the timed steps and what it holds
 reserved after them (CUDA graphs keep their memory in pools of their own); `held_bytes` is what the cache's own
-tensors occupy on the device, beside what its `memory_report()` says.
+tensors occupy on the device, beside what its `memory_report()` says (`held_mapped_host_bytes`: its tensors in pinned
+host memory mapped into the device, outside the CUDA allocator's segments: FlexiCache's host tier).
 
 Dense is the fastest a user gets, so it runs as every variant a user may have, each in its own process or with its
 backend pinned: `sdpa` (`DynamicCache` and sdpa as installed: `generate`'s default), `sdpa, flash` (sdpa pinned to
@@ -23,7 +24,8 @@ same way; a compile that fails falls back to eager, the reason recorded; a compi
 breaks, recompiles while timed and CUDA-graph skips (inductor skips CUDA graphs for a graph that mutates inputs not
 marked static). The throughput case: at `--throughput-context` tokens, the largest batch whose device memory fits
 `--cap-gb` for dense (`static, compiled`) and FlexiCache (compiled), estimated from an eager probe at batch 1, then
-measured (once more, smaller, if over the cap).
+measured (once more, smaller, if over the cap); FlexiCache's batch is also bounded by its host tier (pinned host memory
+mapped into the device, which cannot be paged out) under `--host-cap-gb`, half the machine's memory by default.
 
 Order and time: the sanity check first (in this process), then the cases in priority order (`plan`), each run of
 consecutive cases sharing an environment in one worker process. No case starts that would end after
@@ -264,11 +266,16 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)]
 
 
-def _device_bytes(cache, device) -> int:
+def _device_bytes(cache, device) -> tuple[int, int]:
     """Bytes of the distinct tensors on `device`'s kind of device that `cache` holds (its layers, stores, selectors,
-    masks), found through its attributes: what it occupies there, whatever it reports of itself."""
+    masks), found through its attributes: what it occupies there, whatever it reports of itself; and, on CUDA, the
+    bytes of those that lie outside the caching allocator's segments (pinned host memory mapped into the device: the
+    host tier, which occupies no device memory)."""
     kind = torch.device(device).type
-    seen, storages, total = set(), set(), 0
+    segments = []
+    if kind == "cuda":
+        segments = [(s["address"], s["address"] + s["total_size"]) for s in torch.cuda.memory_snapshot()]
+    seen, storages, total, mapped = set(), set(), 0, 0
     todo = [cache]
     while todo:
         obj = todo.pop()
@@ -279,14 +286,18 @@ def _device_bytes(cache, device) -> int:
             storage = obj.untyped_storage()
             if obj.device.type == kind and storage.data_ptr() not in storages:
                 storages.add(storage.data_ptr())
-                total += storage.nbytes()
+                ptr = storage.data_ptr()
+                if segments and storage.nbytes() and not any(lo <= ptr < hi for lo, hi in segments):
+                    mapped += storage.nbytes()
+                else:
+                    total += storage.nbytes()
         elif isinstance(obj, dict):
             todo.extend(obj.values())
         elif isinstance(obj, (list, tuple, set)):
             todo.extend(obj)
         elif hasattr(obj, "__dict__") and not isinstance(obj, (type, torch.nn.Module)):
             todo.extend(vars(obj).values())
-    return total
+    return total, mapped
 
 
 def _cache(spec: dict, config, profile, tokens: int):
@@ -343,7 +354,7 @@ def _timed(model, config, spec: dict, settings: dict, profile, compiled: bool) -
         base, base_reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()  # the weights
     cache = _cache(spec, config, profile, length + 1 + warmup + steps)
     ingest_random_kv(cache, config, batch, length, dtype=getattr(torch, settings["dtype"]), device=device)
-    r["held_bytes"] = _device_bytes(cache, device)
+    r["held_bytes"], r["held_mapped_host_bytes"] = _device_bytes(cache, device)
     if cuda:
         torch.cuda.empty_cache()  # the random prefill's temporaries are no part of a decode's memory
     token = torch.randint(1, config.vocab_size, (batch, 1), generator=torch.Generator().manual_seed(0)).to(device)
@@ -415,16 +426,20 @@ def throughput_case(model, config, spec: dict, settings: dict, profile) -> dict:
     """The largest batch whose decode fits the cap (weights excluded): estimated from a sequence's device bytes (an
     eager probe at batch 1: its cache and a step's own memory, such as sdpa's `repeat_kv` copy beside a
     `StaticCache`), then measured; once more at a proportionally smaller batch if the measured peak is over the cap."""
-    device, cap = settings["device"], settings["cap_bytes"]
+    device, cap, host_cap = settings["device"], settings["cap_bytes"], settings.get("host_cap_bytes", 0)
     probe = _timed(model, config, dict(spec, batch=1), dict(settings, steps=1, warmup=1), profile, compiled=False)
-    per_sequence = probe["device_bytes"]
+    per_sequence, host_per_sequence = probe["device_bytes"], probe["held_mapped_host_bytes"]
     _release(device)
     estimated = max(1, int(cap / (per_sequence * 1.02)))  # 2% for what a larger batch adds beyond the multiple
+    host_bound = host_per_sequence and host_cap and estimated * host_per_sequence > host_cap
+    if host_bound:  # the host tier, not the device, limits the batch (pinned memory cannot be paged out)
+        estimated = max(1, int(host_cap / host_per_sequence))
 
     def measured(batch: int) -> dict:
         r = run_case(model, config, dict(spec, batch=batch), settings, profile)
         r.update(cap_bytes=cap, bytes_per_sequence=per_sequence, estimated_batch=estimated,
-                 fits=r["device_bytes"] <= cap)
+                 fits=r["device_bytes"] <= cap, host_cap_bytes=host_cap, host_bytes_per_sequence=host_per_sequence,
+                 host_bound=bool(host_bound))
         return r
 
     r = measured(estimated)
@@ -551,7 +566,19 @@ def _settings(args) -> dict:
     "reduce-overhead"), or with another backend and no mode (the rehearsal's `aot_eager`)."""
     compile_config = {} if args.compile_backend == "inductor" else {"backend": args.compile_backend, "mode": None}
     return {"device": args.device, "model": args.model, "layers": args.layers, "dtype": "bfloat16",
-            "steps": args.steps, "warmup": args.warmup, "compile": compile_config, "cap_bytes": int(args.cap_gb * 1e9)}
+            "steps": args.steps, "warmup": args.warmup, "compile": compile_config, "cap_bytes": int(args.cap_gb * 1e9),
+            "host_cap_bytes": int((args.host_cap_gb if args.host_cap_gb is not None else _half_of_ram_gb()) * 1e9)}
+
+
+def _half_of_ram_gb() -> float:
+    """Half the machine's memory (the throughput case's default bound on host memory mapped into the device)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024 / 2 / 1e9
+    except OSError:
+        pass
+    return 32.0
 
 
 def _run(args, record: dict, out: Path, deadline: float) -> None:
@@ -621,9 +648,13 @@ def _notes(r: dict) -> str:
             notes.append(f"{r['recompiles_in_timed_steps']} recompiles while timed")
     if "compile_fallback" in r:
         notes.append(r["compile_fallback"][:80])
+    if r.get("held_mapped_host_bytes"):
+        notes.append(f"host tier {r['held_mapped_host_bytes'] / 1e9:.2f} GB mapped")
     if r.get("kind") == "throughput":
         fits = "fits" if r["fits"] else "OVER"
         notes.append(f"{fits} {r['cap_bytes'] / 1e9:g} GB (estimated b={r['estimated_batch']})")
+        if r.get("host_bound"):
+            notes.append(f"batch bound by the host tier's {r['host_cap_bytes'] / 1e9:g} GB")
     return "; ".join(notes)
 
 
@@ -755,6 +786,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--throughput-context", type=_tokens, default=_GPU_PLAN[1], help="0: no throughput case")
     p.add_argument("--budget", type=int, default=1024, help="FlexiCache's and Quest's token budget")
     p.add_argument("--cap-gb", type=float, default=40.0, help="the throughput case's device memory, weights excluded")
+    p.add_argument("--host-cap-gb", type=float, default=None,
+                   help="the throughput case's host memory mapped into the device (FlexiCache's host tier; default: "
+                        "half the machine's memory)")
     p.add_argument("--time-budget-s", type=float, default=None,
                    help="start no case that would end later (420 s; --quick 200 s)")
     p.add_argument("--quick", action="store_true", help="one small shape, no throughput case (about 3 minutes)")
