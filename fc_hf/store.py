@@ -334,6 +334,8 @@ class PageStore:
             picked = t.index_select(0, row_map)
             if same:
                 t.copy_(picked)
+            elif self.full_mapped and name in ("full_k", "full_v"):  # a new full tier in mapped host memory again
+                setattr(self, name, self._full(picked.shape).copy_(picked))
             else:
                 setattr(self, name, picked)
         if not same:
