@@ -30,7 +30,7 @@ from .decode import attend_chosen
 from .kernels import dispatch as kernels
 from .rows import page_index
 from .schedule import phase_range
-from .tiers import newly_resident, plan_windows, window_pages_of
+from .tiers import install_windows, newly_resident, plan_windows, window_pages_of
 
 
 @dataclass
@@ -315,11 +315,8 @@ def _settle(layer, plan: BlockPlan, carried, made: _Windows | None, as_tensor) -
         first = plan.n_unstable
         final = {plan.local[e]: e - first for e in last.values() if e >= first}
         local, entries = as_tensor(list(final)), as_tensor(list(final.values()))
-        store.win_k.index_copy_(0, local, made.keys.index_select(0, entries))
-        store.win_v.index_copy_(0, local, made.values.index_select(0, entries))
-        store.win_pages.index_copy_(0, local, made.window.index_select(0, entries))
-        store.win_shift.index_copy_(0, local, made.shift.index_select(0, entries))
-        store.window_tokens(local)
+        install_windows(store, local, made.window.index_select(0, entries), made.shift.index_select(0, entries),
+                        made.keys.index_select(0, entries), made.values.index_select(0, entries))
         layer.promoted.add_(made.promoted.sum())
     layer.rank_all = False
     layer.owner.wrote(layer, layer.owner.host_length(layer) + plan.t)

@@ -286,7 +286,7 @@ def regroup(layer, unstable: set[int]) -> None:
     ranking of the step at which a from-start cache last ranked that row (`fc_hf/schedule.py`), and the pages opened
     since; the carried candidates stay."""
     from .rows import HeadKinds
-    from .tiers import move_windows
+    from .tiers import fill_later_pages, move_windows
 
     auto = layer.owner.auto
     steps = layer.decode_steps()
@@ -324,7 +324,7 @@ def regroup(layer, unstable: set[int]) -> None:
         pages = trace[slot].index_select(0, index).long()
         pages = torch.where(pages >= 0, pages, page + 1)  # none: a page that does not exist then
         move_windows(store, local, index, pages, page, scratch)
-    _fill_later_pages(store, held)
+    fill_later_pages(store, held)
 
 
 def _last_ranking(row: int, heads: int, kinds, steps: int, interval: int, reorders, batch: int) -> int:
@@ -342,14 +342,3 @@ def _last_ranking(row: int, heads: int, kinds, steps: int, interval: int, reorde
                                                      interval):
             return step
     return 1
-
-
-def _fill_later_pages(store, length: int) -> None:
-    """Copy into each stable row's window the tokens of the pages opened since its ranking (positions K, K + 1, ...)."""
-    k, p, n_s = store.cfg.pages_per_head, store.page_size, store.rows.n_stable
-    later = store.win_pages[:n_s, k:]  # [N_S, W - K]
-    exists = (later >= 0) & (later * p < length)
-    source = (store.rows.stable[:, None] * store.pages + torch.where(exists, later, 0)).view(-1)
-    for full, win, dim in ((store.full_k, store.win_k, store.head_dim), (store.full_v, store.win_v, store.value_dim)):
-        pages = full.view(-1, p, dim).index_select(0, source).view(n_s, -1, dim)
-        win[:n_s, k * p :] = pages

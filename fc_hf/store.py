@@ -42,7 +42,6 @@ from transformers.utils import logging
 from .host_memory import mapped_host_zeros
 from .kernels import dispatch as kernels
 from .rows import HeadKinds, RowIndex, page_index
-from .tiers import window_pages_of
 
 logger = logging.get_logger(__name__)
 
@@ -376,11 +375,3 @@ class PageStore:
         page = window.clamp(-1, pages).remainder(pages + 1)  # -1 and past the capacity: the null page `pages`
         tok = torch.add(self._in_page, page_index(seq[:, None], page, pages + 1)[:, :, None], alpha=p)
         return tok.view(window.shape[0], -1)
-
-    def refill_windows(self, local: torch.Tensor) -> None:
-        """The windows of stable rows `local` read again from the full tier by their `win_pages` (a crop's restore:
-        the tokens a window holds are the full tier's)."""
-        window = self.win_pages.index_select(0, local)
-        rows = self.rows.stable.index_select(0, local)
-        self.win_k.index_copy_(0, local, window_pages_of(self, rows, window, self.full_k))
-        self.win_v.index_copy_(0, local, window_pages_of(self, rows, window, self.full_v))

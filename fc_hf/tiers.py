@@ -6,8 +6,11 @@ than the page being filled, position `K - 1` the page being filled, and the late
 before its next ranking. Pages newly resident are counted (`promoted`); on a CPU every page is copied from the host
 tier (host memory is the device's own).
 
-`plan_windows` (what a ranking makes of a window), `newly_resident` (what it promotes) and `window_pages_of` (a
-window's tokens read from the full tier) are shared with a verification block's moves (`fc_hf/block.py`).
+`plan_windows` (what a ranking makes of a window), `newly_resident` (what it promotes), `window_pages_of` (a
+window's tokens read from the full tier) and `install_windows` (a window made a row's) are shared with a verification
+block's moves (`fc_hf/block.py`); `fill_later_pages` fills the pages opened since a ranking (`profile="auto"`'s
+re-split, `fc_hf/online.py`); `refill_windows` reads windows back after a crop (`fc_hf/verify.py`). Every write of a
+window other than a decode token's goes through here.
 """
 
 from __future__ import annotations
@@ -77,7 +80,40 @@ def move_windows(store, local: torch.Tensor, rows: torch.Tensor, pages: torch.Te
                 torch.index_select(pages_of, 0, at[i * k : (i + 1) * k], out=win[j, : k * p].view(k, p, -1))
         else:
             win[:, : k * p].index_copy_(0, local, kernels.gather_pages(pages_of, at, backend=backend).view(n, k * p, -1))
-    store.win_pages.index_copy_(0, local, window)
     base = store.win_base[span[0] : span[1]] if span is not None else store.win_base.index_select(0, local)
-    store.win_shift.index_copy_(0, local, base + (k - 1 - page) * p)
-    store.window_tokens(local, window, None if span is None else store.rows.stable_batch[span[0] : span[1]])
+    install_windows(store, local, window, base + (k - 1 - page) * p,
+                    seq=None if span is None else store.rows.stable_batch[span[0] : span[1]])
+
+
+def install_windows(store, local: torch.Tensor, window: torch.Tensor, shift: torch.Tensor, keys=None, values=None,
+                    seq: torch.Tensor | None = None) -> None:
+    """Make `window [n, W]` (the page at each position) the windows of the stable rows `local [n]`, with write shifts
+    `shift [n]`; their tokens `keys`/`values [n, W * P, D]` where given (else the caller wrote them). `seq`: the rows'
+    sequences, where the caller has them."""
+    if keys is not None:
+        store.win_k.index_copy_(0, local, keys)
+        store.win_v.index_copy_(0, local, values)
+    store.win_pages.index_copy_(0, local, window)
+    store.win_shift.index_copy_(0, local, shift)
+    store.window_tokens(local, window, seq)
+
+
+def refill_windows(store, local: torch.Tensor) -> None:
+    """The windows of stable rows `local` read again from the full tier by their `win_pages` (a crop's restore: the
+    tokens a window holds are the full tier's)."""
+    window = store.win_pages.index_select(0, local)
+    rows = store.rows.stable.index_select(0, local)
+    store.window_tokens(local, window)
+    store.win_k.index_copy_(0, local, window_pages_of(store, rows, window, store.full_k))
+    store.win_v.index_copy_(0, local, window_pages_of(store, rows, window, store.full_v))
+
+
+def fill_later_pages(store, length: int) -> None:
+    """Copy into each stable row's window the tokens (of the first `length`) of the pages opened since its ranking
+    (positions K, K + 1, ...)."""
+    k, p, n_s = store.cfg.pages_per_head, store.page_size, store.rows.n_stable
+    later = store.win_pages[:n_s, k:]  # [N_S, W - K]
+    exists = (later >= 0) & (later * p < length)
+    source = page_index(store.rows.stable[:, None], torch.where(exists, later, 0), store.pages).view(-1)
+    for full, win, dim in ((store.full_k, store.win_k, store.head_dim), (store.full_v, store.win_v, store.value_dim)):
+        win[:n_s, k * p :] = full.view(-1, p, dim).index_select(0, source).view(n_s, -1, dim)

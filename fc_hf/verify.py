@@ -21,6 +21,7 @@ from . import decode
 from .block import LayerMark, attend_block
 from .errors import FlexiCacheError
 from .grad_modes import storage_mode
+from .tiers import refill_windows
 
 
 class VerifiedDecoding:
@@ -60,8 +61,7 @@ class VerifiedDecoding:
         store.win_shift.copy_(mark.win_shift)
         local = changed[:-1].nonzero().flatten()  # a crop is eager: the host reads which windows to read back
         if local.numel():
-            store.window_tokens(local)
-            store.refill_windows(local)
+            refill_windows(store, local)
         self.selector.restore(mark.carried)
         self.promoted.copy_(mark.promoted)
         self.rank_all = mark.rank_all
