@@ -61,7 +61,7 @@ def mapped_host_zeros(shape, dtype: torch.dtype, device: torch.device) -> torch.
                 raise
             array = _MappedArray(host.view(_INT_OF_WIDTH[host.element_size()][0]), address)
             # Unregistered when the last holder of the memory goes (its finalizer runs before the memory is freed).
-            weakref.finalize(array, _unregister, host.data_ptr())
+            weakref.finalize(array, _unregister, host.data_ptr()).atexit = False  # at exit the process frees it
             wrapped = torch.as_tensor(array, device=device)
         if wrapped.data_ptr() != address:  # torch copied it: not the host memory itself
             raise RuntimeError("the CUDA array interface copied the memory")
