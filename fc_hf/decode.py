@@ -154,8 +154,7 @@ def attend_chosen(layer, ranking: Ranking, m: int, page_starts: torch.Tensor, qu
     """Attention of the first `m` rows of `ranking` over the pages it chose for them -> `[m, G, Dv]`: the ranking's own
     logits of those pages re-used where it kept them (refinement, no softcap), else their keys gathered. `page_starts
     [m, 1]`: each row's first page in the near tier (`PageStore.near_index`: the rows are unstable); `queries()` and
-    `sequences()` give the rows' queries `[m, G, D]`
-    and sequences `[m]`, read only on the second path."""
+    `sequences()` give the rows' queries `[m, G, D]` and sequences `[m]`, read only on the second path."""
     store, backend, p = layer.store, layer.cfg.backend, layer.store.page_size
     chosen = ranking.pages[:m]
     k = chosen.shape[1]
