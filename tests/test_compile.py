@@ -51,7 +51,11 @@ def setup():
     return model, ids, mask, profile
 
 
-def test_generate_compiles_the_decode_step_in_two_graphs_with_eager_tokens(setup):
+@pytest.mark.parametrize("split", [False, True], ids=["one full tier", "near rows apart (the GPU layout)"])
+def test_generate_compiles_the_decode_step_in_two_graphs_with_eager_tokens(setup, split, monkeypatch):
+    from fc_hf.store import PageStore
+
+    monkeypatch.setattr(PageStore, "split_on_cpu", split)
     model, ids, mask, profile = setup
     eager_cache = FlexiCache(model.config, CFG, profile)
     eager = _generate(model, eager_cache, ids, mask)
@@ -62,6 +66,7 @@ def test_generate_compiles_the_decode_step_in_two_graphs_with_eager_tokens(setup
     assert graphs <= 2
     assert torch.equal(out, eager)
     assert cache.stats()["pages_promoted"] == eager_cache.stats()["pages_promoted"]  # counted on the device, the same
+    assert all(layer.store.near_apart is split for layer in cache.layers)
 
 
 def test_a_static_cache_passes_the_same_check_in_one_graph(setup):

@@ -123,6 +123,15 @@ def test_decode_steps_never_sync_with_the_host(padded, promotion):
     assert _decode_steps(padded=padded, promotion=promotion) == []
 
 
+@pytest.mark.parametrize("padded", [True, False])
+def test_decode_steps_never_sync_with_the_host_in_the_gpu_layout(padded, monkeypatch):
+    """The same with the near rows apart (`PageStore.split_on_cpu`): their extra writes and reads add no sync."""
+    from fc_hf.store import PageStore
+
+    monkeypatch.setattr(PageStore, "split_on_cpu", True)
+    assert _decode_steps(padded=padded, promotion="sync") == []
+
+
 PLANTS = {
     "_local_scalar_dense": lambda layer: layer.store.length_t.item(),
     "int(tensor)": lambda layer: int(layer.store.length_t),
