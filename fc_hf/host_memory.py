@@ -36,7 +36,7 @@ class _MappedArray:
 
     def __init__(self, host: torch.Tensor, device_address: int):
         self.host = host
-        dtype, typestr = _INT_OF_WIDTH[host.element_size()]
+        typestr = _INT_OF_WIDTH[host.element_size()][1]
         self.__cuda_array_interface__ = {"shape": tuple(host.shape), "typestr": typestr,
                                          "data": (device_address, False), "strides": None, "version": 3}
 

@@ -192,6 +192,11 @@ class PageStore:
             shape = (self.rows.n_near, capacity)
             self.near_k = torch.zeros(*shape, self.head_dim, dtype=self.dtype, device=self.device)
             self.near_v = torch.zeros(*shape, self.value_dim, dtype=self.dtype, device=self.device)
+        self._link_near()
+
+    def _link_near(self) -> None:
+        """`near_index` for the current rows; without the split the near tier is the full tier itself."""
+        if self.near_apart:
             self.near_index = self.rows.near_place
         else:
             self.near_k, self.near_v = self.full_k, self.full_v
@@ -232,17 +237,18 @@ class PageStore:
         touch. The caller has made room (`grow`)."""
         start, t = self.length, keys.shape[2]
         end = start + t
-        self.full_k[:, start:end] = keys.reshape(self.n, t, self.head_dim)
-        self.full_v[:, start:end] = values.reshape(self.n, t, self.value_dim)
+        keys, values = keys.reshape(self.n, t, self.head_dim), values.reshape(self.n, t, self.value_dim)
+        self.full_k[:, start:end] = keys
+        self.full_v[:, start:end] = values
         if self.near_apart:
-            self.near_k[:, start:end] = keys.reshape(self.n, t, self.head_dim).index_select(0, self.rows.near)
-            self.near_v[:, start:end] = values.reshape(self.n, t, self.value_dim).index_select(0, self.rows.near)
+            self.near_k[:, start:end] = keys.index_select(0, self.rows.near)
+            self.near_v[:, start:end] = values.index_select(0, self.rows.near)
         p = self.page_size
         first, last = start // p, -(-end // p)
-        tokens = self.full_k[:, first * p : last * p]
         if self.near_apart:  # the full tier is host memory: only the partial pages' other tokens are read from it
-            tokens = torch.cat([self.full_k[:, first * p : start], keys.reshape(self.n, t, self.head_dim),
-                                self.full_k[:, end : last * p]], dim=1)
+            tokens = torch.cat([self.full_k[:, first * p : start], keys, self.full_k[:, end : last * p]], dim=1)
+        else:
+            tokens = self.full_k[:, first * p : last * p]
         self.write_meta(first, last, tokens)
         self.length = end
         self.length_t.fill_(end)
@@ -339,9 +345,7 @@ class PageStore:
                 setattr(self, name, picked)
         if not same:
             self.batch, self.n, self.rows = new_batch, new_batch * h, new_rows
-            if not self.near_apart:
-                self.near_k, self.near_v = self.full_k, self.full_v
-            self.near_index = new_rows.near_place if self.near_apart else torch.arange(self.n, device=self.device)
+            self._link_near()
             self.win_base = torch.arange(new_rows.n_stable + 1, device=self.device) * self.win_k.shape[1]
             self.win_shift = torch.empty_like(shift)
         self.win_shift.copy_(self.win_base + shift)

@@ -284,9 +284,9 @@ def _device_bytes(cache, device) -> tuple[int, int]:
         seen.add(id(obj))
         if isinstance(obj, torch.Tensor):
             storage = obj.untyped_storage()
-            if obj.device.type == kind and storage.data_ptr() not in storages:
-                storages.add(storage.data_ptr())
-                ptr = storage.data_ptr()
+            ptr = storage.data_ptr()
+            if obj.device.type == kind and ptr not in storages:
+                storages.add(ptr)
                 if segments and storage.nbytes() and not any(lo <= ptr < hi for lo, hi in segments):
                     mapped += storage.nbytes()
                 else:
