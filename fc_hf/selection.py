@@ -131,11 +131,12 @@ class PageSelector:
             if not redo.numel():
                 continue
             new_scores, new_cand = new_scores.index_select(0, pick), new_cand.index_select(0, pick)
+            known = (cand.index_select(0, redo), ranking.logits.index_select(0, redo))
             cand.index_copy_(0, redo, new_cand)
             cand_scores.index_copy_(0, redo, new_scores)
             again, moved = self._refine(query.index_select(0, redo), real.index_select(0, redo),
                                         seq.index_select(0, redo), new_scores, new_cand, store, bias,
-                                        page.index_select(0, redo), scaling)
+                                        page.index_select(0, redo), scaling, known=known)
             for name in ("pages", "top", "logits", "candidates"):
                 getattr(ranking, name).index_copy_(0, redo, getattr(again, name))
             for x, y in zip(out, moved):
@@ -164,19 +165,52 @@ class PageSelector:
         cand, order = cand.sort(dim=1)
         return cand_scores.gather(1, order), cand
 
-    def _refine(self, query, real, seq, cand_scores, cand, store, bias, page, scaling,
-                near: int = 0) -> tuple[Ranking, tuple]:
+    def _refine(self, query, real, seq, cand_scores, cand, store, bias, page, scaling, near: int = 0,
+                known: tuple | None = None) -> tuple[Ranking, tuple]:
         """Refinement of candidates `cand [n, C]` (`_candidates`): their exact attention mass, the top K. Returns the
-        ranking and the candidates it carries out. The first `near` rows are unstable (`PageStore.key_pages`)."""
+        ranking and the candidates it carries out. The first `near` rows are unstable (`PageStore.key_pages`).
+        `known`: `(candidates [n, C'], logits [n, G, C', P])` of an earlier refinement of the same queries (a
+        verification block's later round, `rank_block`): only the candidates it lacked have their keys read."""
         k = min(self.k, store.pages)
         n, c = cand.shape
-        keys = store.key_pages(real, cand, near)  # the first `near` rows' from the near tier
-        tok_bias = bias.page_rows.index_select(0, page_index(seq[:, None], cand, store.pages + 1).view(-1))  # [n*C, P]
-        mass, logits = kernels.candidate_mass(query, keys.view(n, c * store.page_size, -1), tok_bias.view(n, -1),
-                                              cand_scores, scaling, store.page_size, backend=self.cfg.backend)
+        if known is None:
+            keys = store.key_pages(real, cand, near)  # the first `near` rows' from the near tier
+            mass, logits = kernels.candidate_mass(query, keys.view(n, c * store.page_size, -1),
+                                                  self._token_bias(seq, cand, store, bias), cand_scores, scaling,
+                                                  store.page_size, backend=self.cfg.backend)
+        else:
+            logits = self._logits_again(query, real, seq, cand, *known, store, bias, scaling)
+            mass = kernels.page_mass(logits, cand_scores, backend=self.cfg.backend)
         out = self._carry_out(cand, mass, page) if self.carry else None
         top = torch.topk(mass, k, dim=-1, sorted=False).indices
         return Ranking(cand.gather(1, top), top, logits, cand), out
+
+    @staticmethod
+    def _token_bias(seq: torch.Tensor, pages: torch.Tensor, store, bias) -> torch.Tensor:
+        """`[n, M * P]`: the step's token bias of pages `pages [n, M]` of sequences `seq [n]`."""
+        at = page_index(seq[:, None], pages, store.pages + 1).view(-1)
+        return bias.page_rows.index_select(0, at).view(pages.shape[0], -1)
+
+    def _logits_again(self, query, real, seq, cand, old_cand, old_logits, store, bias, scaling) -> torch.Tensor:
+        """`[n, G, C, P]`: the logits of candidates `cand [n, C]` (in page order), those of `old_cand` (in page order)
+        taken from `old_logits`, the others computed (a token's logit does not depend on the other candidates, so
+        the numbers are the ones a full refinement computes, `candidate_logits`). Counting the new ones is a host sync
+        (eager only)."""
+        n, c = cand.shape
+        g, p = old_logits.shape[1], old_logits.shape[3]
+        at = torch.searchsorted(old_cand, cand).clamp(max=old_cand.shape[1] - 1)
+        new = old_cand.gather(1, at) != cand
+        logits = old_logits.gather(2, at[:, None, :, None].expand(-1, g, -1, p))
+        count = int(new.sum(1).max())  # a host sync
+        if count:
+            # Each row's new candidates first (padded with old ones, computed again to the same numbers).
+            order = new.to(torch.int8).argsort(dim=1, descending=True, stable=True)[:, :count]
+            pages = cand.gather(1, order)
+            keys = store.key_pages(real, pages).view(n, count * p, -1)
+            fresh = kernels.candidate_logits(query, keys, self._token_bias(seq, pages, store, bias), scaling, p,
+                                             backend=self.cfg.backend)
+            logits.scatter_(2, order[:, None, :, None].expand(-1, g, -1, p), fresh.view(n, g, count, p))
+        return logits
 
     def _carry_out(self, cand: torch.Tensor, mass: torch.Tensor, page: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """What a ranking carries into its row's next one: its `carry_pages` candidates of most mass and the page after

@@ -4,7 +4,7 @@
 torch|triton` (or `FlexiCacheConfig.backend`, passed here as `backend=`) forces either. On the Triton backend
 `page_scores` and `attention` run Triton kernels registered as `torch.library` custom ops (`flexicache::page_scores`,
 `flexicache::attention`, in `triton_ops.py`, imported only on first use so Triton stays optional), each one node of a
-compiled step. The other primitives (`candidate_mass`, `attention_from_logits`, `gather_pages`, `subpage_minmax`) are
+compiled step. The other primitives (`candidate_mass` and its parts, `attention_from_logits`, `gather_pages`, `subpage_minmax`) are
 the PyTorch backend (`torch_backend.py`) on both.
 """
 
@@ -56,6 +56,14 @@ def page_scores(query, meta, bias, subpages, backend=None):
 def candidate_mass(query, keys, bias, scores, scaling, page_size, backend=None):
     """See `torch_backend.candidate_mass`."""
     return torch_backend.candidate_mass(query, keys, bias, scores, scaling, page_size)
+
+
+def candidate_logits(query, keys, bias, scaling, page_size, backend=None):
+    return torch_backend.candidate_logits(query, keys, bias, scaling, page_size)
+
+
+def page_mass(logits, scores, backend=None):
+    return torch_backend.page_mass(logits, scores)
 
 
 def attention(query, keys, values, bias, scaling, softcap=None, backend=None):

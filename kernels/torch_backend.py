@@ -84,9 +84,37 @@ def candidate_mass(query: torch.Tensor, keys: torch.Tensor, bias: torch.Tensor, 
         `(mass [n, C], logits [n, G, C, P])`: the logits (scaled, masked, fp32) for the step's attention to re-use.
     """
     n, g, _ = query.shape
-    logits = torch.baddbmm(bias[:, None, :], query.float(), keys.float().transpose(1, 2), alpha=scaling)
-    mass = torch.softmax(logits, dim=-1).view(n, g, -1, page_size).sum(-1).mean(1)
-    return torch.where(torch.isinf(scores), scores, mass), logits.view(n, g, -1, page_size)
+    logits = candidate_logits(query, keys, bias, scaling, page_size).view(n, g, -1, page_size)
+    return page_mass(logits, scores), logits
+
+
+LOGIT_PAGES = 16  # pages per product of `candidate_logits`
+
+
+def candidate_logits(query: torch.Tensor, keys: torch.Tensor, bias: torch.Tensor, scaling: float,
+                     page_size: int) -> torch.Tensor:
+    """`candidate_mass`'s logits alone: `[n, G, D]`, `[n, C * P, D]`, `[n, C * P]` -> `[n, G, C * P]` (scaled, masked,
+    fp32). Computed `LOGIT_PAGES` pages per matrix product, the last padded: every product has one shape, so a token's
+    logit is the same number whichever other candidates it is scored with (a BLAS may round a product's edge columns
+    otherwise), and a verification block's later rounds compute only their new candidates' (`PageSelector`)."""
+    n, m, d = keys.shape
+    g = query.shape[1]
+    span = LOGIT_PAGES * page_size
+    chunks = -(-m // span)
+    pad = chunks * span - m
+    if pad:
+        keys, bias = torch.nn.functional.pad(keys, (0, 0, 0, pad)), torch.nn.functional.pad(bias, (0, pad))
+    q = query.float()[:, None].expand(n, chunks, g, d).reshape(n * chunks, g, d)
+    logits = torch.baddbmm(bias.view(n * chunks, 1, span), q, keys.float().view(n * chunks, span, d).transpose(1, 2),
+                           alpha=scaling)
+    return logits.view(n, chunks, g, span).transpose(1, 2).reshape(n, g, chunks * span)[..., :m]
+
+
+def page_mass(logits: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+    """`candidate_mass`'s key from its logits `[n, G, C, P]` and the candidates' page `scores [n, C]` -> `[n, C]`."""
+    n, g, c, p = logits.shape
+    mass = torch.softmax(logits.view(n, g, c * p), dim=-1).view(n, g, c, p).sum(-1).mean(1)
+    return torch.where(torch.isinf(scores), scores, mass)
 
 
 def attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor, scaling: float,

@@ -98,9 +98,9 @@ def test_carried_candidates_that_change_inside_a_block_are_ranked_again(monkeypa
     redone = []
     real = PageSelector._refine
 
-    def spy(self, query, *args):
+    def spy(self, query, *args, **kw):
         redone.append(query.shape[0])
-        return real(self, query, *args)
+        return real(self, query, *args, **kw)
 
     monkeypatch.setattr(PageSelector, "_refine", spy)
     block, loop, (keys, values), queries = _caches(CONFIGS["variants"], seed=3)
@@ -118,4 +118,42 @@ def test_carried_candidates_that_change_inside_a_block_are_ranked_again(monkeypa
             assert torch.allclose(x, y, rtol=0, atol=1e-5)
         block.crop(0), loop.crop(0)  # every token kept
     assert rounds > 0
+    assert_same_state(block, loop)
+
+
+def test_a_later_round_reads_only_the_new_candidates_keys_and_gets_a_full_refinements_logits(monkeypatch):
+    """A round after the first computes the logits of the candidates its entries did not have before and takes the
+    others from the earlier round: bit for bit the logits (so the mass and the ranking) of refining every candidate
+    again, while fewer keys are read."""
+    from fc_hf.kernels import torch_backend
+
+    real = PageSelector._logits_again
+    checked, read, full = [], [], []
+
+    def check(self, query, rows, seq, cand, old_cand, old_logits, store, bias, scaling):
+        got = real(self, query, rows, seq, cand, old_cand, old_logits, store, bias, scaling)
+        n, c = cand.shape
+        keys = store.key_pages(rows, cand).view(n, c * store.page_size, -1)
+        want = torch_backend.candidate_logits(query, keys, self._token_bias(seq, cand, store, bias), scaling,
+                                              store.page_size)
+        assert torch.equal(got, want.view_as(got))
+        new = ~(cand[:, :, None] == old_cand[:, None, :]).any(-1)
+        read.append(int(new.sum(1).max()) * n), full.append(c * n)
+        checked.append(n)
+        return got
+
+    monkeypatch.setattr(PageSelector, "_logits_again", check)
+    block, loop, (keys, values), queries = _caches(CONFIGS["variants"], seed=3)
+    for cache in (block, loop):
+        _prefill(cache, keys[:, :, :30], values[:, :, :30])
+        cache.activate_past_recording()
+    for start in range(30, 150, 8):
+        span = slice(start, start + 8)
+        got = _forward(block, keys[:, :, span], values[:, :, span], queries[:, :, span])
+        want = _forward(loop, keys[:, :, span], values[:, :, span], queries[:, :, span])
+        for x, y in zip(got, want):
+            assert torch.allclose(x, y, rtol=0, atol=1e-5)
+        block.crop(0), loop.crop(0)
+    assert checked  # later rounds happened
+    assert sum(read) < sum(full)
     assert_same_state(block, loop)
