@@ -11,8 +11,8 @@ depend on each other in three ways only, and the block keeps each:
   at once, in rounds until the carried pages settle (one round when a row keeps its pages);
 - the windows: a stable row's window changes at its ranking. Each query attends the window of its step: the window
   as it stood before the block (in the device tier, the block's tokens appended to it), or the one a ranking in the
-  block made (read from the full tier). Every such window attends every query of its row in one batched attention, and
-  each query keeps the result of its own step's window.
+  block made (read from the full tier). Every such window attends the queries of the steps it serves (consecutive ones,
+  padded to the most any window serves) in one batched attention.
 
 So the work is one ranking of all entries (per round), one gather per kind of row, one attention per kind of window,
 whatever `t` is. The schedule (which rows rank at which step) is the host's: a verification is eager. After the block
@@ -207,22 +207,28 @@ def _stable(layer, q, plan: BlockPlan, ranking, bias, scaling, softcap, out, as_
             src.append(x)
     keys, values, tok, source_rows = (torch.cat(x) if len(x) > 1 else x[0] for x in sources)
     m, g = keys.shape[0], q.shape[1]
-    # Every window attends every query of its row: [m, t * G] queries, each step's masks.
-    queries = q.view(t, n, g, -1).index_select(1, source_rows).transpose(0, 1).reshape(m, t * g, -1)
-    stride = store.batch * (store.pages + 1) * p  # one step's block of token biases
-    steps = torch.arange(t, device=keys.device) * stride
-    mask = bias.flat.index_select(0, (tok[:, None, :] + steps[None, :, None]).view(-1)).view(m, t, 1, -1)
-    result = kernels.attention(queries, keys, values, mask.expand(-1, -1, g, -1).reshape(m, t * g, -1), scaling,
-                               softcap, backend=layer.cfg.backend).view(m * t, g, -1)
-    # Each query keeps its step's window: the one before the block, or the last ranking's that applies at its step.
+    # Each query attends the window of its step: the one before the block, or the last ranking's that applies then.
     deferred = layer.cfg.promotion == "deferred"
-    pick = []
+    uses: list[list[int]] = [[] for _ in range(m)]  # per window, the steps whose query attends it (consecutive)
+    window_of = []  # per (step, stable row), step-major
     for j in range(t):
         for local in range(n_s):
             e = plan.latest(local, j, strict=False)
             if e >= 0 and deferred and plan.steps[e] == j and not (layer.rank_all and j == 0):
                 e = plan.latest(local, j)  # a deferred move applies after its step's attention
-            pick.append(((n_s + e - first) if e >= 0 else local) * t + j)
+            window_of.append((n_s + e - first) if e >= 0 else local)
+            uses[window_of[-1]].append(j)
+    # A window attends its steps' queries only: [m, S * G] queries (S: the most steps a window serves; a window serving
+    # fewer repeats its last step's, thrown away), each step's masks.
+    span = max(len(x) for x in uses)
+    start = [x[0] if x else 0 for x in uses]
+    steps = as_tensor([[min(s + i, t - 1) for i in range(span)] for s in start])  # [m, S]
+    queries = q.index_select(0, (steps * n + source_rows[:, None]).view(-1)).view(m, span * g, -1)
+    stride = store.batch * (store.pages + 1) * p  # one step's block of token biases
+    mask = bias.flat.index_select(0, (tok[:, None, :] + (steps * stride)[:, :, None]).view(-1)).view(m, span, 1, -1)
+    result = kernels.attention(queries, keys, values, mask.expand(-1, -1, g, -1).reshape(m, span * g, -1), scaling,
+                               softcap, backend=layer.cfg.backend).view(m * span, g, -1)
+    pick = [w * span + i // n_s - start[w] for i, w in enumerate(window_of)]
     at = (torch.arange(t, device=keys.device)[:, None] * n + rows.stable).view(-1)
     out.index_copy_(0, at, result.index_select(0, as_tensor(pick)))
     return made
