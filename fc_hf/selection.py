@@ -95,7 +95,8 @@ class PageSelector:
         with the carried state as it stood before the block; then each entry whose `prev` carried out other pages (as
         sets, which is all a ranking reads of them) than it ranked with ranks again with those, until none does: then
         each entry ranked as its own step would. A copy head that keeps its pages settles in the first round; each
-        round fixes at least one more step of every chain. Each round reads which entries changed (a host sync; a
+        round fixes at least one more step of every chain. A round after the first reads only the keys of candidates an
+        entry did not have before (`_refine`'s `known`). Each round reads which entries changed (a host sync; a
         verification is eager). Returns the ranking and each entry's carried candidates out
         (`(pages [E, 2c], scores [E, 2c])`, None without carrying); the selector's state is not written."""
         real = rows.clamp(max=store.n - 1)

@@ -107,3 +107,25 @@ def test_refined_ranking_steps_reuse_their_logits_and_match_reading_the_keys(opt
         with_reuse = run(counting)
     torch.testing.assert_close(with_reuse, without, rtol=1e-5, atol=1e-5)
     assert len(used) == 11 * 2 and all(used)  # 11 decode steps x 2 layers, each with unstable rows re-using
+
+
+def test_candidate_logits_of_a_subset_of_pages_are_the_full_sets_numbers_bit_for_bit():
+    """A verification block's later rounds compute only new candidates' logits and reuse the rest
+    (`PageSelector._logits_again`), so a token's logit may not depend on the pages scored with it. One matrix product
+    over all candidates rounds edge columns differently at some shapes (head_dim 16, pages of 4 on MKL);
+    `candidate_logits` fixes each product's shape. Also: the numbers are the plain product's, to rounding."""
+    gen = torch.Generator().manual_seed(4)
+    for d, p, c in ((16, 4, 10), (16, 4, 40), (64, 16, 128), (32, 8, 21)):
+        n, g = 9, 3
+        q = torch.randn(n, g, d, generator=gen)
+        keys = torch.randn(n, c, p, d, generator=gen)
+        bias = torch.where(torch.rand(n, c * p, generator=gen) < 0.1, float("-inf"), 0.0)
+        full = torch_backend.candidate_logits(q, keys.view(n, -1, d), bias, 0.3, p).view(n, g, c, p)
+        plain = torch.baddbmm(bias[:, None, :], q, keys.view(n, -1, d).transpose(1, 2), alpha=0.3).view(n, g, c, p)
+        torch.testing.assert_close(full, plain, rtol=1e-6, atol=1e-6)
+        for m in (1, 3, c // 2 + 1):
+            pick = torch.stack([torch.randperm(c, generator=gen)[:m] for _ in range(n)])
+            sub_keys = keys.gather(1, pick[:, :, None, None].expand(-1, -1, p, d)).view(n, -1, d)
+            sub_bias = bias.view(n, c, p).gather(1, pick[:, :, None].expand(-1, -1, p)).view(n, -1)
+            sub = torch_backend.candidate_logits(q, sub_keys, sub_bias, 0.3, p).view(n, g, m, p)
+            assert torch.equal(sub, full.gather(2, pick[:, None, :, None].expand(-1, g, -1, p)))
