@@ -28,7 +28,6 @@ import torch
 
 from .decode import attend_chosen
 from .kernels import dispatch as kernels
-from .rows import page_index
 from .schedule import phase_range
 from .tiers import install_windows, newly_resident, plan_windows, window_pages_of
 
@@ -247,7 +246,7 @@ def _streaming(layer, q, t, bias, scaling, softcap, out) -> None:
     values = kernels.gather_pages(store.near_v.view(-1, p, store.value_dim), at,
                                   backend=cfg.backend).view(t * n_x, k * p, -1)
     seq = (torch.arange(t, device=q.device)[:, None] * store.batch + rows.batch_of.index_select(0, rows.streaming))
-    tok = bias.page_rows.index_select(0, page_index(seq[:, :, None], pages[:, None, :], store.pages + 1).view(-1))
+    tok = bias.page_tokens(seq[:, :, None], pages[:, None, :])
     where = (torch.arange(t, device=q.device)[:, None] * n + rows.streaming).view(-1)
     result = kernels.attention(q.index_select(0, where), keys, values, tok.view(t * n_x, -1), scaling, softcap,
                                backend=cfg.backend)

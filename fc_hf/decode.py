@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 import torch
 
 from .kernels import dispatch as kernels
-from .rows import page_index
 from .schedule import due_rows
 from .selection import Ranking
 from .step_bias import StepBias
@@ -166,7 +165,7 @@ def attend_chosen(layer, ranking: Ranking, m: int, page_starts: torch.Tensor, qu
         logits = logits.gather(2, ranking.top[:m, None, :, None].expand(m, g, k, p)).view(m, g, k * p)
         return kernels.attention_from_logits(logits, values, backend=backend)
     keys = kernels.gather_pages(store.near_k.view(-1, p, store.head_dim), at, backend=backend).view(m, k * p, -1)
-    tok = bias.page_rows.index_select(0, page_index(sequences()[:, None], chosen, store.pages + 1).view(-1)).view(m, -1)
+    tok = bias.page_tokens(sequences()[:, None], chosen)
     return kernels.attention(queries(), keys, values, tok, scaling, softcap, backend=backend)
 
 
@@ -192,6 +191,6 @@ def _attend_streaming(layer, q, bias: StepBias, scaling, softcap) -> torch.Tenso
     keys = kernels.gather_pages(store.near_k.view(-1, p, store.head_dim), at, backend=cfg.backend).view(n_x, k * p, -1)
     values = kernels.gather_pages(store.near_v.view(-1, p, store.value_dim), at, backend=cfg.backend).view(n_x, k * p, -1)
     seq = rows.batch_of.index_select(0, rows.streaming)
-    tok = bias.page_rows.index_select(0, page_index(seq[:, None], pages, store.pages + 1).view(-1)).view(n_x, -1)
+    tok = bias.page_tokens(seq[:, None], pages)
     return kernels.attention(q.index_select(0, rows.streaming), keys, values, tok, scaling, softcap,
                              backend=cfg.backend)

@@ -22,7 +22,6 @@ from dataclasses import dataclass
 import torch
 
 from .kernels import dispatch as kernels
-from .rows import page_index
 
 POS_INF = float("inf")
 NEG_INF = float("-inf")
@@ -177,7 +176,7 @@ class PageSelector:
         if known is None:
             keys = store.key_pages(real, cand, near)  # the first `near` rows' from the near tier
             mass, logits = kernels.candidate_mass(query, keys.view(n, c * store.page_size, -1),
-                                                  self._token_bias(seq, cand, store, bias), cand_scores, scaling,
+                                                  bias.page_tokens(seq[:, None], cand), cand_scores, scaling,
                                                   store.page_size, backend=self.cfg.backend)
         else:
             logits = self._logits_again(query, real, seq, cand, *known, store, bias, scaling)
@@ -186,18 +185,12 @@ class PageSelector:
         top = torch.topk(mass, k, dim=-1, sorted=False).indices
         return Ranking(cand.gather(1, top), top, logits, cand), out
 
-    @staticmethod
-    def _token_bias(seq: torch.Tensor, pages: torch.Tensor, store, bias) -> torch.Tensor:
-        """`[n, M * P]`: the step's token bias of pages `pages [n, M]` of sequences `seq [n]`."""
-        at = page_index(seq[:, None], pages, store.pages + 1).view(-1)
-        return bias.page_rows.index_select(0, at).view(pages.shape[0], -1)
-
     def _logits_again(self, query, real, seq, cand, old_cand, old_logits, store, bias, scaling) -> torch.Tensor:
         """`[n, G, C, P]`: the logits of candidates `cand [n, C]` (in page order), those of `old_cand` (in page order)
         taken from `old_logits`, the others computed (a token's logit does not depend on the other candidates, so
         the numbers are the ones a full refinement computes, `candidate_logits`). Counting the new ones is a host sync
         (eager only)."""
-        n, c = cand.shape
+        n = cand.shape[0]
         g, p = old_logits.shape[1], old_logits.shape[3]
         at = torch.searchsorted(old_cand, cand).clamp(max=old_cand.shape[1] - 1)
         new = old_cand.gather(1, at) != cand
@@ -208,7 +201,7 @@ class PageSelector:
             order = new.to(torch.int8).argsort(dim=1, descending=True, stable=True)[:, :count]
             pages = cand.gather(1, order)
             keys = store.key_pages(real, pages).view(n, count * p, -1)
-            fresh = kernels.candidate_logits(query, keys, self._token_bias(seq, pages, store, bias), scaling, p,
+            fresh = kernels.candidate_logits(query, keys, bias.page_tokens(seq[:, None], pages), scaling, p,
                                              backend=self.cfg.backend)
             logits.scatter_(2, order[:, None, :, None].expand(-1, g, -1, p), fresh.view(n, g, count, p))
         return logits

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import torch
 
+from .rows import page_index
+
 NEG_INF = float("-inf")
 POS_INF = float("inf")
 
@@ -41,6 +43,12 @@ class StepBias:
     @property
     def flat(self) -> torch.Tensor:
         return self.tokens.view(-1)
+
+    def page_tokens(self, seq: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
+        """The token bias of pages `pages` of sequences `seq` (broadcast against each other to `[..., M]`) ->
+        `[..., M * P]`."""
+        at = page_index(seq, pages, self.num_pages + 1)
+        return self.page_rows.index_select(0, at.view(-1)).view(*at.shape[:-1], -1)
 
     def update(self, mask: torch.Tensor | None, position: torch.Tensor) -> None:
         """This step's buffers from the mask (`[B, 1, T, capacity]` bool or additive float, its last query row; None:

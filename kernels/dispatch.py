@@ -4,8 +4,8 @@
 torch|triton` (or `FlexiCacheConfig.backend`, passed here as `backend=`) forces either. On the Triton backend
 `page_scores` and `attention` run Triton kernels registered as `torch.library` custom ops (`flexicache::page_scores`,
 `flexicache::attention`, in `triton_ops.py`, imported only on first use so Triton stays optional), each one node of a
-compiled step. The other primitives (`candidate_mass` and its parts, `attention_from_logits`, `gather_pages`, `subpage_minmax`) are
-the PyTorch backend (`torch_backend.py`) on both.
+compiled step. The other primitives (`candidate_mass` and its parts, `attention_from_logits`, `gather_pages`,
+`subpage_minmax`) are the PyTorch backend (`torch_backend.py`) on both.
 """
 
 from __future__ import annotations
