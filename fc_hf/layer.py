@@ -10,6 +10,8 @@ speculative decoding, every token after the prompt is a decode step (fc_hf/verif
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
@@ -95,6 +97,14 @@ class FlexiCacheLayer(VerifiedDecoding, CacheLayerMixin):
         self.record_reads = False
         self.last_reads: dict | None = None
         self._init_verification()
+
+    def __deepcopy__(self, memo):
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        new.__dict__.update({k: copy.deepcopy(v, memo) for k, v in self.__dict__.items()})
+        if self.store is not None and new.store.near_apart != self.store.near_apart:  # the copy's host tier could not
+            new._index_tensors()  # be mapped (`PageStore.__deepcopy__`): its near rows are read from the full tier
+        return new
 
     # -- transformers CacheLayerMixin ------------------------------------------------------------------
     @property

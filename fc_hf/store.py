@@ -33,6 +33,7 @@ minus its first token's position (a token at position `pos` of the page being fi
 
 from __future__ import annotations
 
+import copy
 import functools
 import math
 
@@ -201,6 +202,27 @@ class PageStore:
         else:
             self.near_k, self.near_v = self.full_k, self.full_v
             self.near_index = torch.arange(self.n, device=self.device)
+
+    def __deepcopy__(self, memo):
+        """An independent copy (a prefilled cache copied per question) whose full tier stays in the memory the
+        original's is in. Mapped host memory is a CUDA tensor to torch: a plain deepcopy would copy the whole host tier
+        into device memory. Where the copy cannot be mapped it is in device memory, as a new cache's would be."""
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        if self.full_mapped:
+            for name in ("full_k", "full_v"):
+                old = getattr(self, name)
+                copied = mapped_host_zeros(old.shape, old.dtype, old.device)
+                if copied is None:
+                    copied = torch.empty_like(old)
+                    new.__dict__["full_mapped"] = False
+                memo[id(old)] = copied.copy_(old)  # the near tier is this very tensor where it is not apart
+        for key, value in self.__dict__.items():
+            if key not in new.__dict__:
+                new.__dict__[key] = copy.deepcopy(value, memo)
+        if not new.full_mapped and self.full_mapped:  # no separate near tier without mapped host memory
+            new._link_near()
+        return new
 
     def grow(self, capacity: int) -> None:
         """Room for `capacity` tokens per row (outside a decode step: it makes new tensors)."""

@@ -107,3 +107,56 @@ def test_mapped_host_memory_takes_no_device_memory_and_reads_back():
     tier.index_copy_(0, rows, src)  # a device kernel writes host memory
     assert torch.equal(tier.index_select(0, rows), src)  # and reads it back
     assert torch.equal(tier[3].cpu(), src[0].cpu())
+
+
+@pytest.mark.parametrize("mapping", ["kept", "fails"])
+def test_a_copy_keeps_its_full_tier_in_mapped_host_memory(mapping, monkeypatch):
+    """`copy.deepcopy` of a prefilled cache (the docs' prefix copies): a full tier in mapped host memory is copied into
+    new mapped host memory (a plain deepcopy of the CUDA tensor wrapping it would put the whole host tier in device
+    memory). Here the full tier plays the mapped memory (`full_mapped` set by hand, the allocator recorded); where
+    the copy cannot be mapped it falls back to one full tier in device memory. Either way the copy decodes what the
+    original does, bit for bit, and the two are independent."""
+    import copy
+
+    import fc_hf.store as store_module
+
+    model = _model()
+    ids, mask = left_padded_batch(2, 37, pad_lengths=[0, 6])
+    forced = torch.randint(1, 97, (2, 12), generator=torch.Generator().manual_seed(3))
+    cache = _cache(model, True, monkeypatch)
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+    for layer in cache.layers:
+        layer.store.full_mapped = True
+    monkeypatch.setattr(PageStore, "split_on_cpu", False)  # from here the near tier is apart because of the mapping
+    made = []
+
+    def mapped(shape, dtype, device):
+        if mapping == "fails":
+            return None
+        made.append(torch.zeros(shape, dtype=dtype, device=device))
+        return made[-1]
+
+    monkeypatch.setattr(store_module, "mapped_host_zeros", mapped)
+    twin = copy.deepcopy(cache)
+    for old, new in zip(cache.layers, twin.layers):
+        a, b = old.store, new.store
+        assert b.full_k.data_ptr() != a.full_k.data_ptr() and torch.equal(b.full_k, a.full_k)
+        if mapping == "kept":
+            assert b.full_mapped and b.near_apart
+            assert any(b.full_k is t for t in made) and any(b.full_v is t for t in made)
+            assert b.near_k.data_ptr() not in (a.near_k.data_ptr(), b.full_k.data_ptr())
+        else:  # one full tier, as a new cache whose mapping failed has
+            assert not b.full_mapped and not b.near_apart and b.near_k is b.full_k and b.near_v is b.full_v
+    assert len(made) == (2 * len(cache.layers) if mapping == "kept" else 0)
+
+    def decode(c):
+        m, steps = mask, []
+        with torch.no_grad():
+            for t in range(forced.shape[1]):
+                m = torch.cat([m, torch.ones(2, 1, dtype=m.dtype)], 1)
+                steps.append(model(input_ids=forced[:, t : t + 1], attention_mask=m, past_key_values=c,
+                                   use_cache=True).logits[:, -1])
+        return torch.stack(steps, 1)
+
+    assert torch.equal(decode(twin), decode(cache))

@@ -35,8 +35,9 @@ stopped. `gpu_bench.json` and `gpu_bench.md` (the table) under `--out` are rewri
 The sanity check: FlexiCache on the GPU against the CPU reference, fp32 on both sides, same weights (2 layers of the
 Llama-8B attention shape), prompt K/V and teacher-forced tokens: at a full budget against dense attention, at a low
 budget (re-ranks every 4 steps, sync and deferred promotion) against FlexiCache on the CPU. Every step's logits must
-agree to `SANITY_RTOL`, and no non-empty asynchronous host<->device copy may go through pageable memory. If not, the
-run goes on but exits with status 1.
+agree to `SANITY_RTOL`, no non-empty asynchronous host<->device copy may go through pageable memory, and a
+`copy.deepcopy` of a filled cache must hold its bytes where the original does (its host tier in mapped host memory,
+not device memory). If not, the run goes on but exits with status 1.
 
 `--dry-run` rehearses all of it on a CPU, quickly: tiny shapes, 3 timed steps, the compiled cases through `aot_eager`
 (inductor's reduce-overhead mode is CUDA's), the sanity check with the CPU as the device. It also checks that the code
@@ -164,6 +165,27 @@ def _forced_logits(model, method, cfg, profile, prompt_kv, tokens, device):
     return torch.stack(logits, 1), stats
 
 
+def _copy_bytes(model, profile, prompt_kv, device) -> dict:
+    """`copy.deepcopy` of a filled cache (the docs' prefix copies) holds what the original holds where it holds it:
+    `(device bytes, mapped host bytes)` of each (`_device_bytes`); a copy whose host tier landed in device memory
+    differs."""
+    import copy
+
+    from fc_hf import FlexiCacheConfig
+
+    from ..methods import make_cache
+
+    cfg = FlexiCacheConfig(page_size=16, rerank_interval=4, token_budget=256)
+    cache = make_cache("flexicache", model, cfg.token_budget, profile, base=cfg, dense_cache=True)
+    with torch.no_grad():
+        for layer, (k, v) in enumerate(prompt_kv):
+            cache.update(k.to(device), v.to(device), layer)
+    twin = copy.deepcopy(cache)
+    entry = {"original": list(_device_bytes(cache, device)), "copy": list(_device_bytes(twin, device))}
+    entry["ok"] = entry["original"] == entry["copy"]
+    return entry
+
+
 @contextlib.contextmanager
 def _audit_async_copies():
     """Yields a list that collects every non-empty `non_blocking=True` host<->device copy whose host side is not pinned
@@ -230,7 +252,8 @@ def sanity(device, config=None, length: int = 1536, steps: int = 24, batch: int 
         promoted = name == "full" or entry["pages_promoted"] > 0
         entry["ok"] = entry["first_bad_step"] is None and promoted and not pageable
         result[name] = entry
-    result["ok"] = all(result[name]["ok"] for name, _, _ in SANITY_CASES)
+    result["copy"] = _copy_bytes(model, profile, prompt_kv, device)
+    result["ok"] = all(result[name]["ok"] for name, _, _ in SANITY_CASES) and result["copy"]["ok"]
     del model
     _release(device)
     return result
