@@ -75,8 +75,10 @@ def append(layer, key: torch.Tensor, value: torch.Tensor, ctx: DecodeContext) ->
     stable = store.rows.stable
     if stable.numel():
         slot = store.win_shift[: stable.numel()] + pos
-        store.win_k.view(-1, d).index_copy_(0, slot, keys.index_select(0, stable))
-        store.win_v.view(-1, dv).index_copy_(0, slot, values.index_select(0, stable))
+        if not layer.every_row_stable:  # (rows in order: every row is stable in half of SmolLM2's layers)
+            keys, values = keys.index_select(0, stable), values.index_select(0, stable)
+        store.win_k.view(-1, d).index_copy_(0, slot, keys)
+        store.win_v.view(-1, dv).index_copy_(0, slot, values)
     store.refresh_subpages(ctx.subpage(store.page_size // store.subpages))
     store.length_t.add_(1)
 

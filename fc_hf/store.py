@@ -111,6 +111,7 @@ class PageStore:
         # Pages a window's positions K, K + 1, ... hold, after the page being filled at its ranking.
         self.later_pages = torch.arange(1, max(1, self.window - cfg.pages_per_head + 1), device=self.device)
         self._in_page = torch.arange(self.page_size, device=self.device)  # a token's offset in its page
+        self.no_page = torch.full((), -1, dtype=torch.long, device=self.device)  # a window place without a page
 
     # -- sizes ----------------------------------------------------------------------------------------
     @property

@@ -37,8 +37,8 @@ def plan_windows(store, pages: torch.Tensor, page: torch.Tensor) -> tuple[torch.
     pages[:, k - 1] = page
     present = pages <= at  # a ranking may fill up with pages that do not exist yet: none
     later = at + store.later_pages  # the pages it will open, at positions K, K + 1, ...
-    window = torch.cat([torch.where(present, pages, -1), later.expand(pages.shape[0], -1)], dim=1)
-    return window, torch.where(present, pages, 0), present
+    window = torch.cat([torch.where(present, pages, store.no_page), later.expand(pages.shape[0], -1)], dim=1)
+    return window, pages * present, present  # (a device constant, a product: no scalar tensor made per call)
 
 
 def newly_resident(window: torch.Tensor, old: torch.Tensor, present: torch.Tensor) -> torch.Tensor:
@@ -81,7 +81,7 @@ def move_windows(store, local: torch.Tensor, rows: torch.Tensor, pages: torch.Te
         else:
             win[:, : k * p].index_copy_(0, local, kernels.gather_pages(pages_of, at, backend=backend).view(n, k * p, -1))
     base = store.win_base[span[0] : span[1]] if span is not None else store.win_base.index_select(0, local)
-    install_windows(store, local, window, base + (k - 1 - page) * p,
+    install_windows(store, local, window, torch.add(base, k - 1 - page, alpha=p),
                     seq=None if span is None else store.rows.stable_batch[span[0] : span[1]])
 
 
