@@ -75,7 +75,7 @@ def append(layer, key: torch.Tensor, value: torch.Tensor, ctx: DecodeContext) ->
     stable = store.rows.stable
     if stable.numel():
         slot = store.win_shift[: stable.numel()] + pos
-        if not layer.every_row_stable:  # (rows in order: every row is stable in half of SmolLM2's layers)
+        if not layer.every_row_stable:  # where every row is stable, stable row j is row j (half of SmolLM2's layers)
             keys, values = keys.index_select(0, stable), values.index_select(0, stable)
         store.win_k.view(-1, d).index_copy_(0, slot, keys)
         store.win_v.view(-1, dv).index_copy_(0, slot, values)
