@@ -113,7 +113,6 @@ def fill_later_pages(store, length: int) -> None:
     (positions K, K + 1, ...)."""
     k, p, n_s = store.cfg.pages_per_head, store.page_size, store.rows.n_stable
     later = store.win_pages[:n_s, k:]  # [N_S, W - K]
-    exists = (later >= 0) & (later * p < length)
-    source = page_index(store.rows.stable[:, None], torch.where(exists, later, 0), store.pages).view(-1)
-    for full, win, dim in ((store.full_k, store.win_k, store.head_dim), (store.full_v, store.win_v, store.value_dim)):
-        win[:n_s, k * p :] = full.view(-1, p, dim).index_select(0, source).view(n_s, -1, dim)
+    window = torch.where(later * p < length, later, store.no_page)  # a page not opened yet: none (its tokens masked)
+    for full, win in ((store.full_k, store.win_k), (store.full_v, store.win_v)):
+        win[:n_s, k * p :] = window_pages_of(store, store.rows.stable, window, full)
