@@ -45,9 +45,9 @@ reported per step; `top_ops_per_layer` breaks the layer ops down by aten op.
 
 Triton: `--ops-backends triton` runs the FlexiCache methods with `FlexiCacheConfig(backend="triton")` in a
 worker under the Triton interpreter on a CPU (`TRITON_INTERPRET=1`) and counts each Triton launch as one op.
-Its rows are kept only when a Triton kernel launched: today none does (the Triton kernels of the former page
-layout were removed and `fc_hf.kernels.dispatch` sends every call to the PyTorch backend), so the worker says
-so and writes no row rather than torch's counts under the name "triton".
+These are a GPU's eager launches: `flexicache::page_scores` and `flexicache::attention` run as Triton kernels, the rest
+of the step as torch ops (`fc_hf.kernels.dispatch`). A row is kept only when a Triton kernel launched (else the
+worker says so and writes no row, rather than torch's counts under the name "triton").
 
 `--ops-baseline OLD/ops.json` puts an earlier run beside this one (`<out>/ops_compare.md`): both are summarized
 by these rules from their per-step counts, so an older run's `steady` is the mean of its steps 2 .. N as they
