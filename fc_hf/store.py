@@ -210,14 +210,10 @@ class PageStore:
         into device memory. Where the copy cannot be mapped it is in device memory, as a new cache's would be."""
         new = type(self).__new__(type(self))
         memo[id(self)] = new
-        if self.full_mapped:
-            for name in ("full_k", "full_v"):
-                old = getattr(self, name)
-                copied = mapped_host_zeros(old.shape, old.dtype, old.device)
-                if copied is None:
-                    copied = torch.empty_like(old)
-                    new.__dict__["full_mapped"] = False
-                memo[id(old)] = copied.copy_(old)  # the near tier is this very tensor where it is not apart
+        if self.full_mapped:  # `_full` allocates as the original was allocated (and turns `full_mapped` off if it fails)
+            new.__dict__.update(full_mapped=True, dtype=self.dtype, device=self.device)
+            for old in (self.full_k, self.full_v):
+                memo[id(old)] = new._full(old.shape).copy_(old)  # the near tier is this very tensor where not apart
         for key, value in self.__dict__.items():
             if key not in new.__dict__:
                 new.__dict__[key] = copy.deepcopy(value, memo)

@@ -148,21 +148,30 @@ def _forced_logits(model, method, cfg, profile, prompt_kv, tokens, device):
     CPU, stats)."""
     from fc_hf.compat import cache_kwarg
 
-    from ..methods import make_cache, prepare_model
+    from ..methods import prepare_model
 
     prepare_model(model, method)
-    cache = make_cache(method, model, cfg.token_budget, profile, base=cfg, dense_cache=True)
+    cache = _filled_cache(model, method, cfg, profile, prompt_kv, device)
     length = prompt_kv[0][0].shape[2]
     logits = []
     with torch.no_grad():
-        for layer, (k, v) in enumerate(prompt_kv):
-            cache.update(k.to(device), v.to(device), layer)
         for i in range(tokens.shape[1]):
             out = model(input_ids=tokens[:, i : i + 1].to(device), use_cache=True, logits_to_keep=1,
                         cache_position=torch.tensor([length + i], device=device), **{cache_kwarg(model): cache})
             logits.append(out.logits[:, -1].float().cpu())
     stats = cache.stats() if hasattr(cache, "stats") else {}
     return torch.stack(logits, 1), stats
+
+
+def _filled_cache(model, method, cfg, profile, prompt_kv, device):
+    """A cache of `method` holding `prompt_kv` (per layer `(K, V)`), written as a prefill writes it."""
+    from ..methods import make_cache
+
+    cache = make_cache(method, model, cfg.token_budget, profile, base=cfg, dense_cache=True)
+    with torch.no_grad():
+        for layer, (k, v) in enumerate(prompt_kv):
+            cache.update(k.to(device), v.to(device), layer)
+    return cache
 
 
 def _copy_bytes(model, profile, prompt_kv, device) -> dict:
@@ -173,13 +182,8 @@ def _copy_bytes(model, profile, prompt_kv, device) -> dict:
 
     from fc_hf import FlexiCacheConfig
 
-    from ..methods import make_cache
-
     cfg = FlexiCacheConfig(page_size=16, rerank_interval=4, token_budget=256)
-    cache = make_cache("flexicache", model, cfg.token_budget, profile, base=cfg, dense_cache=True)
-    with torch.no_grad():
-        for layer, (k, v) in enumerate(prompt_kv):
-            cache.update(k.to(device), v.to(device), layer)
+    cache = _filled_cache(model, "flexicache", cfg, profile, prompt_kv, device)
     twin = copy.deepcopy(cache)
     entry = {"original": list(_device_bytes(cache, device)), "copy": list(_device_bytes(twin, device))}
     entry["ok"] = entry["original"] == entry["copy"]
