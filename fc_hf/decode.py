@@ -50,6 +50,14 @@ class DecodeContext:
             self._shared[key] = (self.position // length).view(1)
         return self._shared[key]
 
+    def token_slots(self, row_starts: torch.Tensor, capacity: int) -> torch.Tensor:
+        """`[N]`: where the new token goes in each row's full tier (`row_starts + position`), computed once for the
+        layers that share a row count and capacity (every layer of a cache)."""
+        key = ("slots", row_starts.shape[0], capacity)
+        if key not in self._shared:
+            self._shared[key] = row_starts + self.position
+        return self._shared[key]
+
     def masks(self, attention_mask) -> StepBias:
         if not self.ready:
             self.bias.update(attention_mask, self.position)
@@ -65,7 +73,7 @@ def append(layer, key: torch.Tensor, value: torch.Tensor, ctx: DecodeContext) ->
     n, d, dv = store.n, store.head_dim, store.value_dim
     pos = ctx.position
     keys, values = key.reshape(n, d), value.reshape(n, dv)
-    at = layer.row_starts + pos
+    at = ctx.token_slots(layer.row_starts, store.capacity)
     store.full_k.view(-1, d).index_copy_(0, at, keys)
     store.full_v.view(-1, dv).index_copy_(0, at, values)
     if store.near_apart:
@@ -103,15 +111,17 @@ def attend(layer, query: torch.Tensor, ctx: DecodeContext, attention_mask, scali
         stable_ranked, span = ctx.due(n_s, layer.cfg.rerank_interval, layer.places), None
     ranking, real = None, None
     if n_e or stable_ranked is not None:
+        block = None
         if layer.host_step is not None:  # eager: the rows known on the host, none padded (made once per span)
-            ranked, real, seq = layer.step_rows(span)
+            ranked, real, seq, block = layer.step_rows(span)
         else:
             ranked = rows.unstable if stable_ranked is None else torch.cat(
                 [rows.unstable, layer.stable_rows.index_select(0, stable_ranked)])
             real, seq = ranked.clamp(max=n - 1), None  # a padded place computes on a real row
         minmax = None if span is None else store.minmax_views(*span)  # read in place (kind-major MinMax rows)
-        ranking = selector.rank(q.index_select(0, real), ranked, store, bias, scaling, minmax, near=n_e, real=real,
-                                seq=seq)
+        queries = q.index_select(0, real) if block is None else q[block[0] : block[1]]
+        ranking = selector.rank(queries, ranked, store, bias, scaling, minmax, near=n_e, real=real, seq=seq,
+                                block=block)
         layer.note_ranking(ranking, n_e, ranked)
     if n_e:
         out = _put(out, rows.unstable, _attend_unstable(layer, q, ranking, bias, scaling, softcap))

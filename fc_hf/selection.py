@@ -60,12 +60,14 @@ class PageSelector:
     # -- the ranking -------------------------------------------------------------------------------------------
     def rank(self, query: torch.Tensor, rows: torch.Tensor, store, bias, scaling: float,
              minmax: list[torch.Tensor] | None = None, near: int = 0, real: torch.Tensor | None = None,
-             seq: torch.Tensor | None = None) -> Ranking:
+             seq: torch.Tensor | None = None, block: tuple[int, int] | None = None) -> Ranking:
         """Rank rows `rows [n]` (a row index; `store.n` for a padded place, whose results are not kept) for their queries
         `query [n, G, D]` at this step. `bias` is the step's `StepBias`. `minmax`: the rows' MinMax entries as views of
         the cache (`PageStore.minmax_views`), where the caller knows them on the host; else they are gathered. `near`:
         the leading rows that are unstable (their candidates' keys are read from the near tier, `PageStore.key_pages`).
-        `real`, `seq`: the rows with padded places on a real row, and their sequences, where the caller has them."""
+        `real`, `seq`: the rows with padded places on a real row, and their sequences, where the caller has them.
+        `block`: `(first, end)` where `rows` is the rows `[first, end)` (their carried candidates read and written in
+        place)."""
         if real is None:
             real = rows.clamp(max=store.n - 1)  # padded places compute on a real row; their writes go to the extra row
         if seq is None:
@@ -75,10 +77,12 @@ class PageSelector:
             return Ranking(self._top(scores))
         carried = None
         if self.carry:
-            carried = (self.carried_pages.index_select(0, rows), self.carried_scores.index_select(0, rows))
+            carried = ((self.carried_pages[block[0] : block[1]], self.carried_scores[block[0] : block[1]]) if block
+                       else (self.carried_pages.index_select(0, rows), self.carried_scores.index_select(0, rows)))
+        # A block's carried candidates are written in place by `_carry_out` (read by `_candidates` before).
         ranking, out = self._refine(query, real, seq, *self._candidates(scores, carried), store, bias, bias.page,
-                                    scaling, near)
-        if self.carry:
+                                    scaling, near, into=carried if block else None)
+        if self.carry and not block:
             self.carried_pages.index_copy_(0, rows, out[0])
             self.carried_scores.index_copy_(0, rows, out[1])
         return ranking
@@ -150,8 +154,8 @@ class PageSelector:
         return torch.zeros(pages.shape[0], n_pages + 1, dtype=torch.bool, device=pages.device).scatter_(1, at, True)
 
     def _scores(self, query, real, seq, store, bias, minmax=None) -> torch.Tensor:
-        return kernels.page_scores(query, store.minmax(real) if minmax is None else minmax,
-                                   bias.pages.index_select(0, seq), store.subpages, backend=self.cfg.backend)
+        return kernels.page_scores(query, store.minmax(real) if minmax is None else minmax, bias.of_sequences(seq),
+                                   store.subpages, backend=self.cfg.backend)
 
     def _top(self, scores: torch.Tensor) -> torch.Tensor:
         return torch.topk(scores, min(self.k, scores.shape[-1]), dim=-1, sorted=False).indices
@@ -166,11 +170,12 @@ class PageSelector:
         return cand_scores.gather(1, order), cand
 
     def _refine(self, query, real, seq, cand_scores, cand, store, bias, page, scaling, near: int = 0,
-                known: tuple | None = None) -> tuple[Ranking, tuple]:
+                known: tuple | None = None, into: tuple | None = None) -> tuple[Ranking, tuple]:
         """Refinement of candidates `cand [n, C]` (`_candidates`): their exact attention mass, the top K. Returns the
-        ranking and the candidates it carries out. The first `near` rows are unstable (`PageStore.key_pages`).
-        `known`: `(candidates [n, C'], logits [n, G, C', P])` of an earlier refinement of the same queries (a
-        verification block's later round, `rank_block`): only the candidates it lacked have their keys read."""
+        ranking and the candidates it carries out (written into `into`, `(pages, scores)`, where given). The first
+        `near` rows are unstable (`PageStore.key_pages`). `known`: `(candidates [n, C'], logits [n, G, C', P])` of an
+        earlier refinement of the same queries (a verification block's later round, `rank_block`): only the candidates
+        it lacked have their keys read."""
         k = min(self.k, store.pages)
         n, c = cand.shape
         if known is None:
@@ -181,7 +186,7 @@ class PageSelector:
         else:
             logits = self._logits_again(query, real, seq, cand, *known, store, bias, scaling)
             mass = kernels.page_mass(logits, cand_scores, backend=self.cfg.backend)
-        out = self._carry_out(cand, mass, page) if self.carry else None
+        out = self._carry_out(cand, mass, page, into) if self.carry else None
         top = torch.topk(mass, k, dim=-1, sorted=False).indices
         return Ranking(cand.gather(1, top), top, logits, cand), out
 
@@ -206,19 +211,31 @@ class PageSelector:
             logits.scatter_(2, order[:, None, :, None].expand(-1, g, -1, p), fresh.view(n, g, count, p))
         return logits
 
-    def _carry_out(self, cand: torch.Tensor, mass: torch.Tensor, page: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _carry_out(self, cand: torch.Tensor, mass: torch.Tensor, page: torch.Tensor,
+                   into: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """What a ranking carries into its row's next one: its `carry_pages` candidates of most mass and the page after
         each (the page being filled, `page` (a scalar or one per ranking), at most); a score of -inf where a row had
-        fewer candidates of positive, finite mass (neither forced nor never attendable)."""
+        fewer candidates of positive, finite mass (neither forced nor never attendable). Written into `into`
+        (`(pages, scores)` views of the state) where given."""
         top = mass.nan_to_num(posinf=0.0, neginf=0.0).topk(min(self.carry, mass.shape[1]), dim=-1)
         best = cand.gather(1, top.indices)[..., None]  # [n, carry, 1]
+        n, carry = best.shape[:2]
         limit = page.view(-1, 1, 1) if page.dim() else page
-        pages = torch.minimum(best + self._successor, limit).flatten(1)
-        score = torch.where((top.values[..., None] > 0).expand(-1, -1, 2), self._carried_score, self._neg_inf).flatten(1)
-        missing = self.carried_pages.shape[1] - pages.shape[1]
+        missing = self.carried_pages.shape[1] - 2 * carry
+        direct = into is not None and not missing  # the results' own places: no copy after
+        pages = torch.minimum(best + self._successor, limit, out=into[0].view(n, carry, 2) if direct else None)
+        score = torch.where((top.values[..., None] > 0).expand(-1, -1, 2), self._carried_score, self._neg_inf,
+                            out=into[1].view(n, carry, 2) if direct else None)
+        if direct:
+            return into
+        pages, score = pages.flatten(1), score.flatten(1)
         if missing:  # fewer candidates than pages to carry (a small capacity): the other places carry nothing
             pages = torch.cat([pages, pages.new_zeros(pages.shape[0], missing)], dim=1)
             score = torch.cat([score, score.new_full((score.shape[0], missing), NEG_INF)], dim=1)
+        if into is not None:
+            into[0].copy_(pages)
+            into[1].copy_(score)
+            return into
         return pages, score
 
     # -- the selector's state ------------------------------------------------------------------------------------

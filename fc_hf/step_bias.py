@@ -47,8 +47,15 @@ class StepBias:
     def page_tokens(self, seq: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
         """The token bias of pages `pages` of sequences `seq` (broadcast against each other to `[..., M]`) ->
         `[..., M * P]`."""
-        at = page_index(seq, pages, self.num_pages + 1)
-        return self.page_rows.index_select(0, at.view(-1)).view(*at.shape[:-1], -1)
+        if self.batch == 1 and torch.broadcast_shapes(seq.shape, pages.shape) == pages.shape:
+            at = pages  # one sequence: the page is the index (no add)
+        else:
+            at = page_index(seq, pages, self.num_pages + 1)
+        return self.page_rows.index_select(0, at.reshape(-1)).view(*at.shape[:-1], -1)
+
+    def of_sequences(self, seq: torch.Tensor) -> torch.Tensor:
+        """`[n, pages * S]`: the scoring bias of sequences `seq [n]` (a view with one sequence)."""
+        return self.pages.expand(seq.shape[0], -1) if self.batch == 1 else self.pages.index_select(0, seq)
 
     def update(self, mask: torch.Tensor | None, position: torch.Tensor) -> None:
         """This step's buffers from the mask (`[B, 1, T, capacity]` bool or additive float, its last query row; None:

@@ -44,7 +44,7 @@ def plan_windows(store, pages: torch.Tensor, page: torch.Tensor) -> tuple[torch.
 def newly_resident(window: torch.Tensor, old: torch.Tensor, present: torch.Tensor) -> torch.Tensor:
     """`[n, K]` bool: the present pages of new windows `window [n, W]` that the old windows `old [n, W]` did not hold."""
     k = present.shape[1]
-    return present & ~(window[:, :k, None] == old[:, None, :]).any(-1)
+    return present > (window[:, :k, None] == old[:, None, :]).any(-1)  # present and not held (`>` on bools: one op)
 
 
 def window_pages_of(store, rows: torch.Tensor, window: torch.Tensor, tier: torch.Tensor) -> torch.Tensor:

@@ -45,7 +45,8 @@ def quest_bounds(query: torch.Tensor, meta: torch.Tensor, bias: torch.Tensor | N
     """The Quest bound of every MinMax entry for every query head, fp32: `[n, G, D]`, `[n, 2D, E]` (or row blocks of
     it, `page_scores`) (, `bias [n, E]`) -> `[n, G, E]`, as one matmul `[relu(q), min(q, 0)] @ [kmax; kmin]` per block."""
     q = query.float()
-    q2 = torch.cat([q.clamp(min=0), q.clamp(max=0)], dim=-1)
+    low, high = _halves(q.device)
+    q2 = q[:, :, None, :].clamp(low, high).reshape(*q.shape[:2], -1)  # [relu(q), min(q, 0)] in one broadcast clamp
     if not isinstance(meta, torch.Tensor) and len(meta) == 1:
         meta = meta[0]
     if isinstance(meta, torch.Tensor):
@@ -62,6 +63,16 @@ def quest_bounds(query: torch.Tensor, meta: torch.Tensor, bias: torch.Tensor | N
             torch.baddbmm(bias[start:end, None, :], q2[start:end], block.float(), out=out[start:end])
         start = end
     return out
+
+
+_HALVES: dict = {}
+
+
+def _halves(device) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(low, high) [2, 1]` that clamp a query's copies to its positive then its negative part (made once per device)."""
+    if device not in _HALVES:
+        _HALVES[device] = (torch.tensor([[0.0], [NEG_INF]], device=device), torch.tensor([[POS_INF], [0.0]], device=device))
+    return _HALVES[device]
 
 
 def candidate_mass(query: torch.Tensor, keys: torch.Tensor, bias: torch.Tensor, scores: torch.Tensor, scaling: float,
