@@ -187,7 +187,7 @@ class FlexiCacheLayer(VerifiedDecoding, CacheLayerMixin):
     def _make_step_rows(self, span: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple | None]:
         rows = self.store.rows
         ranked = torch.cat([rows.unstable, rows.stable[span[0] : span[1]]])
-        listed = ranked.tolist()  # once per span, when the layer's index tensors are made
+        listed = rows.unstable_rows + rows.stable_rows[span[0] : span[1]]  # the same rows, on the host
         block = (listed[0], listed[-1] + 1) if listed and listed == list(range(listed[0], listed[-1] + 1)) else None
         return ranked, ranked, rows.batch_of.index_select(0, ranked), block
 
