@@ -188,7 +188,7 @@ def _stable(layer, q, plan: BlockPlan, ranking, bias, scaling, softcap, out, as_
     k, p = layer.cfg.pages_per_head, store.page_size
     first = plan.n_unstable
     made = None
-    sources = [store.win_k[:n_s]], [store.win_v[:n_s]], [store.win_tok[:n_s]], [rows.stable]
+    sources = [store.win_k[:n_s]], [store.win_v[:n_s]], [store.win_bias_rows[:n_s]], [rows.stable]
     if len(plan.rows) > first:
         e_rows, local = as_tensor(plan.rows[first:]), as_tensor(plan.local[first:])
         e_steps = as_tensor(plan.steps[first:])
@@ -202,7 +202,7 @@ def _stable(layer, q, plan: BlockPlan, ranking, bias, scaling, softcap, out, as_
                         window_pages_of(store, e_rows, window, store.full_k),
                         window_pages_of(store, e_rows, window, store.full_v), fresh)
         seq = rows.batch_of.index_select(0, e_rows)
-        for src, x in zip(sources, (made.keys, made.values, store.token_index(seq, window), e_rows)):
+        for src, x in zip(sources, (made.keys, made.values, store.bias_rows(seq, window), e_rows)):
             src.append(x)
     keys, values, tok, source_rows = (torch.cat(x) if len(x) > 1 else x[0] for x in sources)
     m, g = keys.shape[0], q.shape[1]
@@ -223,8 +223,8 @@ def _stable(layer, q, plan: BlockPlan, ranking, bias, scaling, softcap, out, as_
     start = [x[0] if x else 0 for x in uses]
     steps = as_tensor([[min(s + i, t - 1) for i in range(span)] for s in start])  # [m, S]
     queries = q.index_select(0, (steps * n + source_rows[:, None]).view(-1)).view(m, span * g, -1)
-    stride = store.batch * (store.pages + 1) * p  # one step's block of token biases
-    mask = bias.flat.index_select(0, (tok[:, None, :] + (steps * stride)[:, :, None]).view(-1)).view(m, span, 1, -1)
+    stride = store.batch * (store.pages + 1)  # one step's block of token-bias page rows
+    mask = bias.page_rows.index_select(0, (tok[:, None, :] + (steps * stride)[:, :, None]).view(-1)).view(m, span, 1, -1)
     result = kernels.attention(queries, keys, values, mask.expand(-1, -1, g, -1).reshape(m, span * g, -1), scaling,
                                softcap, backend=layer.cfg.backend).view(m * span, g, -1)
     pick = [w * span + i // n_s - start[w] for i, w in enumerate(window_of)]

@@ -186,7 +186,7 @@ def _attend_windows(layer, q, bias: StepBias, scaling, softcap) -> torch.Tensor:
     n_s = rows.n_stable
     every = layer.every_row_stable
     q_s = q if every else q.index_select(0, rows.stable)
-    tok = bias.flat.index_select(0, store.win_tok[:n_s].view(-1)).view(n_s, -1)
+    tok = bias.page_rows.index_select(0, store.win_bias_rows[:n_s].view(-1)).view(n_s, -1)
     return kernels.attention(q_s, store.win_k[:n_s], store.win_v[:n_s], tok, scaling, softcap,
                              backend=layer.cfg.backend)
 

@@ -28,7 +28,7 @@ Rows are `b * H + h` (the model's order); N = B * H, N_S the stable rows.
 Window bookkeeping of each stable row (rewritten by a ranking, `fc_hf/tiers.py`): `win_pages [N_S + 1, W]` the page
 at each window position (-1: none), `win_shift [N_S + 1]` the flat window index of position 0 of the page being filled
 minus its first token's position (a token at position `pos` of the page being filled or a later one goes to
-`win_shift + pos`), `win_tok [N_S + 1, W * P]` each window token's flat index into a step's token bias.
+`win_shift + pos`), `win_bias_rows [N_S + 1, W]` each window page's row in a step's token bias (`StepBias.page_rows`).
 """
 
 from __future__ import annotations
@@ -104,13 +104,12 @@ class PageStore:
         self.win_v = torch.zeros(n_s + 1, wp, value_dim, dtype=dtype, device=self.device)
         self.win_pages = torch.full((n_s + 1, self.window), -1, dtype=torch.long, device=self.device)
         self.win_shift = torch.zeros(n_s + 1, dtype=torch.long, device=self.device)
-        # Each window token's flat index into a step's token bias (`StepBias.tokens`), from `win_pages` (`window_tokens`).
-        self.win_tok = torch.zeros(n_s + 1, wp, dtype=torch.long, device=self.device)
+        # Each window page's row in a step's token bias (`StepBias.page_rows`), from `win_pages` (`window_tokens`).
+        self.win_bias_rows = torch.zeros(n_s + 1, self.window, dtype=torch.long, device=self.device)
         # Flat index of each stable row's position 0 in `win_k.view(-1, D)`.
         self.win_base = torch.arange(n_s + 1, device=self.device) * wp
         # Pages a window's positions K, K + 1, ... hold, after the page being filled at its ranking.
         self.later_pages = torch.arange(1, max(1, self.window - cfg.pages_per_head + 1), device=self.device)
-        self._in_page = torch.arange(self.page_size, device=self.device)  # a token's offset in its page
         self.no_page = torch.full((), -1, dtype=torch.long, device=self.device)  # a window place without a page
 
     # -- sizes ----------------------------------------------------------------------------------------
@@ -246,7 +245,7 @@ class PageStore:
         pages[:, self.window :] = torch.where(anchor >= 0, later, -1)
         self.win_pages, self.window = pages, window
         self.later_pages = torch.arange(1, window - k + 1, device=self.device)
-        self.win_tok = self.win_tok.new_zeros(self.win_tok.shape[0], wp)
+        self.win_bias_rows = self.win_bias_rows.new_zeros(self.win_bias_rows.shape[0], window)
         self.win_base = torch.arange(self.win_k.shape[0], device=self.device) * wp
         self.win_shift = self.win_base + shift
 
@@ -349,7 +348,7 @@ class PageStore:
         shift = self.win_shift.index_select(0, s_map) - self.win_base.index_select(0, s_map)
         meta_map = old_rows.kind_place.index_select(0, rows.index_select(0, new_rows.kind_order))
         maps = [("full_k", rows), ("full_v", rows), ("meta", meta_map), ("win_k", s_map), ("win_v", s_map),
-                ("win_pages", s_map), ("win_tok", s_map)]
+                ("win_pages", s_map), ("win_bias_rows", s_map)]
         if self.near_apart:  # a near row's tokens follow its row
             near_map = old_rows.near_place.index_select(0, rows.index_select(0, new_rows.near))
             maps += [("near_k", near_map), ("near_v", near_map)]
@@ -380,7 +379,7 @@ class PageStore:
 
     def window_tokens(self, local: torch.Tensor | None = None, window: torch.Tensor | None = None,
                       seq: torch.Tensor | None = None) -> None:
-        """`win_tok` of the stable rows `local` (all with None) from their `win_pages` (or `window`, what was just
+        """`win_bias_rows` of the stable rows `local` (all with None) from their `win_pages` (or `window`, what was just
         written there) and their sequences (`seq`, where the caller has them)."""
         if local is None:
             local = torch.arange(self.rows.n_stable + 1, device=self.device)
@@ -388,13 +387,12 @@ class PageStore:
             window = self.win_pages.index_select(0, local)
         if seq is None:
             seq = self.rows.stable_batch.index_select(0, local)
-        self.win_tok.index_copy_(0, local, self.token_index(seq, window))
+        self.win_bias_rows.index_copy_(0, local, self.bias_rows(seq, window))
 
-    def token_index(self, seq: torch.Tensor, window: torch.Tensor) -> torch.Tensor:
-        """Each token's flat index into a step's token bias for windows `window [n, W]` of sequences `seq [n]`: page
-        `p`'s token `t` of sequence `b` is `(b * (pages + 1) + p) * P + t`; no page (-1, or one past the capacity) is
-        the null page `pages` (masked). -> `[n, W * P]`."""
-        p, pages = self.page_size, self.pages
+    def bias_rows(self, seq: torch.Tensor, window: torch.Tensor) -> torch.Tensor:
+        """Each page's row in a step's token bias (`StepBias.page_rows`) for windows `window [n, W]` of sequences
+        `seq [n]`: page `p` of sequence `b` is row `b * (pages + 1) + p`; no page (-1, or one past the capacity) is the
+        null page `pages` (masked). -> `[n, W]`."""
+        pages = self.pages
         page = window.clamp(-1, pages).remainder(pages + 1)  # -1 and past the capacity: the null page `pages`
-        tok = torch.add(self._in_page, page_index(seq[:, None], page, pages + 1)[:, :, None], alpha=p)
-        return tok.view(window.shape[0], -1)
+        return page_index(seq[:, None], page, pages + 1)

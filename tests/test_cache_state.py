@@ -102,7 +102,7 @@ def _owned_tensors(cache):
     refs = []
     for layer in cache.flexi_layers:
         s = layer.store
-        refs += [weakref.ref(t) for t in (s.full_k, s.full_v, s.meta, s.win_k, s.win_v, s.win_pages, s.win_tok,
+        refs += [weakref.ref(t) for t in (s.full_k, s.full_v, s.meta, s.win_k, s.win_v, s.win_pages, s.win_bias_rows,
                                           layer.selector.carried_pages, layer.selector.carried_scores)]
     refs += [weakref.ref(b.tokens) for b in cache._biases.values()]
     return refs

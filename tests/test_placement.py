@@ -23,7 +23,7 @@ pytestmark = pytest.mark.usefixtures("no_grad")
 
 def _device_tensors(layer):
     s = layer.store
-    names = ("full_k", "full_v", "meta", "win_k", "win_v", "win_pages", "win_shift", "win_tok", "length_t")
+    names = ("full_k", "full_v", "meta", "win_k", "win_v", "win_pages", "win_shift", "win_bias_rows", "length_t")
     tensors = {name: getattr(s, name) for name in names}
     tensors.update(carried=layer.selector.carried_pages, rows=s.rows.stable, promoted=layer.promoted)
     return tensors

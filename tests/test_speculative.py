@@ -88,7 +88,7 @@ def _assert_same_store(la, lb, same):
     full, s = sa.length // sa.page_size, sa.subpages
     assert same(sa.meta[:, :, : full * s], sb.meta[:, :, : full * s])  # full pages' entries
     n_s = sa.rows.n_stable  # the stable rows' windows (their extra last row takes padded places' writes: not state)
-    for name in ("win_pages", "win_shift", "win_tok"):
+    for name in ("win_pages", "win_shift", "win_bias_rows"):
         assert torch.equal(getattr(sa, name)[:n_s], getattr(sb, name)[:n_s]), name
     tokens = sa.win_pages[:n_s, :, None] * sa.page_size + torch.arange(sa.page_size)
     held = ((sa.win_pages[:n_s, :, None] >= 0) & (tokens < sa.length)).flatten(1)
