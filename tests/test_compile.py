@@ -186,3 +186,20 @@ def test_every_tensor_a_decode_step_writes_is_a_static_address(setup):
     unmarked = sorted({(owner, name) for owner, name, t in persistent
                        if getattr(t, "_dynamo_static_input_type", None) is None})
     assert not unmarked, f"written by a decode step but not static: {unmarked}"
+
+
+def test_the_first_ranking_of_a_process_compiled_is_one_graph(monkeypatch):
+    """The bound's clamp constants are cached per device when eager; a compiled step that makes them first (a fresh
+    process whose first ranking is compiled) must not write that cache while tracing, or the next call recompiles."""
+    from fc_hf.kernels import torch_backend
+
+    monkeypatch.setattr(torch_backend, "_HALVES", {})
+    scores = torch.compile(lambda q, m, b: torch_backend.page_scores(q, m, b, 2), fullgraph=True, backend="aot_eager",
+                           dynamic=False)
+    gen = torch.Generator().manual_seed(0)
+    cases = [(torch.randn(4, 3, 8, generator=gen), torch.randn(4, 16, 20, generator=gen), torch.zeros(4, 20))
+             for _ in range(3)]
+    out, graphs, breaks = _graphs(lambda: [scores(*case) for case in cases])
+    assert breaks == {} and graphs == 1
+    for case, got in zip(cases, out):
+        assert torch.equal(got, torch_backend.page_scores(*case, 2))
