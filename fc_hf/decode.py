@@ -111,17 +111,17 @@ def attend(layer, query: torch.Tensor, ctx: DecodeContext, attention_mask, scali
         stable_ranked, span = ctx.due(n_s, layer.cfg.rerank_interval, layer.places), None
     ranking, real = None, None
     if n_e or stable_ranked is not None:
-        block = None
+        row_range = None
         if layer.host_step is not None:  # eager: the rows known on the host, none padded (made once per span)
-            ranked, real, seq, block = layer.step_rows(span)
+            ranked, real, seq, row_range = layer.step_rows(span)
         else:
             ranked = rows.unstable if stable_ranked is None else torch.cat(
                 [rows.unstable, layer.stable_rows.index_select(0, stable_ranked)])
             real, seq = ranked.clamp(max=n - 1), None  # a padded place computes on a real row
         minmax = None if span is None else store.minmax_views(*span)  # read in place (kind-major MinMax rows)
-        queries = q.index_select(0, real) if block is None else q[block[0] : block[1]]
+        queries = q.index_select(0, real) if row_range is None else q[row_range]
         ranking = selector.rank(queries, ranked, store, bias, scaling, minmax, near=n_e, real=real, seq=seq,
-                                block=block)
+                                row_range=row_range)
         layer.note_ranking(ranking, n_e, ranked)
     if n_e:
         out = _put(out, rows.unstable, _attend_unstable(layer, q, ranking, bias, scaling, softcap))

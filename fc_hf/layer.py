@@ -177,19 +177,20 @@ class FlexiCacheLayer(VerifiedDecoding, CacheLayerMixin):
         start, end = phase_range(step % self.cfg.rerank_interval, self.store.rows.n_stable, self.cfg.rerank_interval)
         return (self.stable_all[start:end] if end > start else None), (start, end)
 
-    def step_rows(self, span: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple | None]:
+    def step_rows(self, span: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, slice | None]:
         """The rows an eager decode step ranks: the unstable rows, then the stable rows `[start, end)` (indices among
-        them), none padded; as `(rows, real rows, sequences)` for `PageSelector.rank`, and `(first, end)` where they
+        them), none padded; as `(rows, real rows, sequences)` for `PageSelector.rank`, and a `slice` where they
         are rows `[first, end)` (a layer of one kind: their queries and carried candidates are views). Made once per
         span."""
         return self._step_rows[span if span[1] > span[0] else (0, 0)]
 
-    def _make_step_rows(self, span: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple | None]:
+    def _make_step_rows(self, span: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, slice | None]:
         rows = self.store.rows
         ranked = torch.cat([rows.unstable, rows.stable[span[0] : span[1]]])
         listed = rows.unstable_rows + rows.stable_rows[span[0] : span[1]]  # the same rows, on the host
-        block = (listed[0], listed[-1] + 1) if listed and listed == list(range(listed[0], listed[-1] + 1)) else None
-        return ranked, ranked, rows.batch_of.index_select(0, ranked), block
+        contiguous = listed and listed == list(range(listed[0], listed[-1] + 1))
+        row_range = slice(listed[0], listed[-1] + 1) if contiguous else None
+        return ranked, ranked, rows.batch_of.index_select(0, ranked), row_range
 
     def grow(self, capacity: int) -> None:
         """Room for `capacity` tokens (outside a decode step)."""

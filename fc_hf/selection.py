@@ -60,13 +60,13 @@ class PageSelector:
     # -- the ranking -------------------------------------------------------------------------------------------
     def rank(self, query: torch.Tensor, rows: torch.Tensor, store, bias, scaling: float,
              minmax: list[torch.Tensor] | None = None, near: int = 0, real: torch.Tensor | None = None,
-             seq: torch.Tensor | None = None, block: tuple[int, int] | None = None) -> Ranking:
+             seq: torch.Tensor | None = None, row_range: slice | None = None) -> Ranking:
         """Rank rows `rows [n]` (a row index; `store.n` for a padded place, whose results are not kept) for their queries
         `query [n, G, D]` at this step. `bias` is the step's `StepBias`. `minmax`: the rows' MinMax entries as views of
         the cache (`PageStore.minmax_views`), where the caller knows them on the host; else they are gathered. `near`:
         the leading rows that are unstable (their candidates' keys are read from the near tier, `PageStore.key_pages`).
         `real`, `seq`: the rows with padded places on a real row, and their sequences, where the caller has them.
-        `block`: `(first, end)` where `rows` is the rows `[first, end)` (their carried candidates read and written in
+        `row_range`: a `slice` where `rows` is the rows `[first, end)` (their carried candidates read and written in
         place)."""
         if real is None:
             real = rows.clamp(max=store.n - 1)  # padded places compute on a real row; their writes go to the extra row
@@ -77,12 +77,12 @@ class PageSelector:
             return Ranking(self._top(scores))
         carried = None
         if self.carry:
-            carried = ((self.carried_pages[block[0] : block[1]], self.carried_scores[block[0] : block[1]]) if block
+            carried = ((self.carried_pages[row_range], self.carried_scores[row_range]) if row_range is not None
                        else (self.carried_pages.index_select(0, rows), self.carried_scores.index_select(0, rows)))
-        # A block's carried candidates are written in place by `_carry_out` (read by `_candidates` before).
+        # A row range's carried candidates are written in place by `_carry_out` (read by `_candidates` before).
         ranking, out = self._refine(query, real, seq, *self._candidates(scores, carried), store, bias, bias.page,
-                                    scaling, near, into=carried if block else None)
-        if self.carry and not block:
+                                    scaling, near, into=carried if row_range is not None else None)
+        if self.carry and row_range is None:
             self.carried_pages.index_copy_(0, rows, out[0])
             self.carried_scores.index_copy_(0, rows, out[1])
         return ranking

@@ -72,10 +72,13 @@ _HALVES: dict = {}
 def _halves(device) -> tuple[torch.Tensor, torch.Tensor]:
     """`(low, high) [2, 1]` that clamp a query's copies to its positive then its negative part: made once per device
     when eager; constants of the graph when compiled (a global written while tracing would be a guard to fail)."""
-    if torch.compiler.is_compiling():
+    def make():
         return torch.tensor([[0.0], [NEG_INF]], device=device), torch.tensor([[POS_INF], [0.0]], device=device)
+
+    if torch.compiler.is_compiling():
+        return make()
     if device not in _HALVES:
-        _HALVES[device] = (torch.tensor([[0.0], [NEG_INF]], device=device), torch.tensor([[POS_INF], [0.0]], device=device))
+        _HALVES[device] = make()
     return _HALVES[device]
 
 
