@@ -143,8 +143,13 @@ def attend_block(layer, query: torch.Tensor, keys: torch.Tensor, values: torch.T
     if plan.rows:
         e_rows, e_steps = as_tensor(plan.rows), as_tensor(plan.steps)
         seq = e_steps * b + rows.batch_of.index_select(0, e_rows)
+        # The unstable entries of a step are the unstable rows in the MinMax cache's order: read in place, not gathered.
+        minmax = store.minmax_views(0, 0) * t if plan.n_unstable else []
+        if len(plan.rows) > plan.n_unstable:
+            minmax.append(store.minmax(e_rows[plan.n_unstable :]))
         ranking, carried = selector.rank_block(q.index_select(0, e_steps * n + e_rows), e_rows, seq,
-                                               as_tensor(plan.prev), store, bias, scaling, near=plan.n_unstable)
+                                               as_tensor(plan.prev), store, bias, scaling, near=plan.n_unstable,
+                                               minmax=minmax)
         if plan.n_unstable:
             _unstable(layer, q, ranking, e_rows, e_steps, seq, plan.n_unstable, bias, scaling, softcap, out)
     windows = None
@@ -188,7 +193,9 @@ def _stable(layer, q, plan: BlockPlan, ranking, bias, scaling, softcap, out, as_
     k, p = layer.cfg.pages_per_head, store.page_size
     first = plan.n_unstable
     made = None
-    sources = [store.win_k[:n_s]], [store.win_v[:n_s]], [store.win_bias_rows[:n_s]], [rows.stable]
+    # The windows as they stood (views) and the block's own: attended apart, so the stable rows' windows are not copied.
+    blocks = [(store.win_k[:n_s], store.win_v[:n_s])]
+    tok, source_rows = store.win_bias_rows[:n_s], rows.stable
     if len(plan.rows) > first:
         e_rows, local = as_tensor(plan.rows[first:]), as_tensor(plan.local[first:])
         e_steps = as_tensor(plan.steps[first:])
@@ -201,11 +208,10 @@ def _stable(layer, q, plan: BlockPlan, ranking, bias, scaling, softcap, out, as_
         made = _Windows(window, store.win_base.index_select(0, local) + (k - 1 - page) * p,
                         window_pages_of(store, e_rows, window, store.full_k),
                         window_pages_of(store, e_rows, window, store.full_v), fresh)
-        seq = rows.batch_of.index_select(0, e_rows)
-        for src, x in zip(sources, (made.keys, made.values, store.bias_rows(seq, window), e_rows)):
-            src.append(x)
-    keys, values, tok, source_rows = (torch.cat(x) if len(x) > 1 else x[0] for x in sources)
-    m, g = keys.shape[0], q.shape[1]
+        blocks.append((made.keys, made.values))
+        tok = torch.cat([tok, store.bias_rows(rows.batch_of.index_select(0, e_rows), window)])
+        source_rows = torch.cat([source_rows, e_rows])
+    m, g = tok.shape[0], q.shape[1]
     # Each query attends the window of its step: the one before the block, or the last ranking's that applies then.
     deferred = layer.cfg.promotion == "deferred"
     uses: list[list[int]] = [[] for _ in range(m)]  # per window, the steps whose query attends it (consecutive)
@@ -225,10 +231,16 @@ def _stable(layer, q, plan: BlockPlan, ranking, bias, scaling, softcap, out, as_
     queries = q.index_select(0, (steps * n + source_rows[:, None]).view(-1)).view(m, span * g, -1)
     stride = store.batch * (store.pages + 1)  # one step's block of token-bias page rows
     mask = bias.page_rows.index_select(0, (tok[:, None, :] + (steps * stride)[:, :, None]).view(-1)).view(m, span, 1, -1)
-    result = kernels.attention(queries, keys, values, mask.expand(-1, -1, g, -1).reshape(m, span * g, -1), scaling,
-                               softcap, backend=layer.cfg.backend).view(m * span, g, -1)
+    mask = mask.expand(-1, -1, g, -1).reshape(m, span * g, -1)
+    result, begin = [], 0
+    for keys, values in blocks:
+        end = begin + keys.shape[0]
+        result.append(kernels.attention(queries[begin:end], keys, values, mask[begin:end], scaling, softcap,
+                                        backend=layer.cfg.backend))
+        begin = end
+    result = (torch.cat(result) if len(result) > 1 else result[0]).view(m * span, g, -1)
     pick = [w * span + i // n_s - start[w] for i, w in enumerate(window_of)]
-    at = (torch.arange(t, device=keys.device)[:, None] * n + rows.stable).view(-1)
+    at = (torch.arange(t, device=q.device)[:, None] * n + rows.stable).view(-1)
     out.index_copy_(0, at, result.index_select(0, as_tensor(pick)))
     return made
 
@@ -319,9 +331,11 @@ def _settle(layer, plan: BlockPlan, carried, made: _Windows | None, as_tensor) -
     if made is not None:
         first = plan.n_unstable
         final = {plan.local[e]: e - first for e in last.values() if e >= first}
-        local, entries = as_tensor(list(final)), as_tensor(list(final.values()))
-        install_windows(store, local, made.window.index_select(0, entries), made.shift.index_select(0, entries),
-                        made.keys.index_select(0, entries), made.values.index_select(0, entries))
+        parts = (made.window, made.shift, made.keys, made.values)
+        order = list(final.values())
+        if order != list(range(len(made.window))):  # else each ranking is its row's last: installed as made, no copy
+            parts = tuple(x.index_select(0, as_tensor(order)) for x in parts)
+        install_windows(store, as_tensor(list(final)), *parts)
         layer.promoted.add_(made.promoted.sum())
     layer.rank_all = False
     layer.owner.wrote(layer, layer.owner.host_length(layer) + plan.t)

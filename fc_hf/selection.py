@@ -88,11 +88,12 @@ class PageSelector:
         return ranking
 
     def rank_block(self, query: torch.Tensor, rows: torch.Tensor, seq: torch.Tensor, prev: torch.Tensor, store, bias,
-                   scaling: float, near: int = 0) -> tuple[Ranking, tuple | None]:
+                   scaling: float, near: int = 0, minmax: list[torch.Tensor] | None = None) -> tuple[Ranking, tuple | None]:
         """Rank the entries of a verification block at once, each as its own step would: entry `e` ranks row
         `rows[e]` for query `query[e]` over the masks of block sequence `seq[e]` (`bias`: `StepBias.for_block`).
         `prev [E]`: the entry of the same row the step before (-1: none in the block), whose carried candidates
-        this entry's ranking takes (the selector's state for a row's first).
+        this entry's ranking takes (the selector's state for a row's first). `minmax`: the entries' MinMax entries as
+        blocks of views where the caller knows them (as `rank`'s), else gathered.
 
         A ranking takes the carried candidates of the one before it, so the entries are ranked in rounds: the first
         with the carried state as it stood before the block; then each entry whose `prev` carried out other pages (as
@@ -103,7 +104,7 @@ class PageSelector:
         verification is eager). Returns the ranking and each entry's carried candidates out
         (`(pages [E, 2c], scores [E, 2c])`, None without carrying); the selector's state is not written."""
         real = rows.clamp(max=store.n - 1)
-        scores = self._scores(query, real, seq, store, bias)
+        scores = self._scores(query, real, seq, store, bias, minmax)
         if not self.refine:
             return Ranking(self._top(scores)), None
         page = bias.page.index_select(0, seq)
