@@ -330,12 +330,13 @@ def _settle(layer, plan: BlockPlan, carried, made: _Windows | None, as_tensor) -
         selector.carried_scores.index_copy_(0, rows, carried[1].index_select(0, entries))
     if made is not None:
         first = plan.n_unstable
-        final = {plan.local[e]: e - first for e in last.values() if e >= first}
-        parts = (made.window, made.shift, made.keys, made.values)
-        order = list(final.values())
-        if order != list(range(len(made.window))):  # else each ranking is its row's last: installed as made, no copy
-            parts = tuple(x.index_select(0, as_tensor(order)) for x in parts)
-        install_windows(store, as_tensor(list(final)), *parts)
+        # Every ranking's window installed as made (no copy): a row's last into the row, the earlier ones into the
+        # stable tensors' extra row, which nothing reads.
+        local = [store.rows.n_stable] * len(made.window)
+        for e in last.values():
+            if e >= first:
+                local[e - first] = plan.local[e]
+        install_windows(store, as_tensor(local), made.window, made.shift, made.keys, made.values)
         layer.promoted.add_(made.promoted.sum())
     layer.rank_all = False
     layer.owner.wrote(layer, layer.owner.host_length(layer) + plan.t)
