@@ -360,3 +360,20 @@ def test_compiled_bench_steps_both_sides_alike():
     r = compiled.run("smollm2", 256, 2, steps=2, budget=64, layers=1, backend="aot_eager", warmup=2)
     assert len(r["warmup_ms"]) == 2 and r["eager_median_ms"] > 0 and r["compiled_median_ms"] > 0
     assert r["layers"] == 1 and r["ratio_of_means"] > 0
+
+
+@pytest.mark.parametrize("verify", [0, 5], ids=["step", "verify"])
+def test_call_sites_name_flexicache_lines_and_count_per_forward(verify):
+    """`python -m eval.bench.call_sites`: every op of the timed forwards is counted once, by the FlexiCache line that
+    issued it. A decode step's ranking and attention are FlexiCache's; a verification forward goes through the block."""
+    from fc_hf.eval.bench import call_sites
+
+    r = call_sites.run("tiny", 300, 1, steps=2, budget=64, verify=verify)
+    sites = {row[3] for row in r["rows"]}
+    assert "model" in sites
+    assert any(site.startswith("torch_backend.py:attention") for site in sites)
+    assert any("block.py:" in site for site in sites) == bool(verify)
+    assert r["total_ms"] == pytest.approx(sum(row[0] for row in r["rows"]))
+    assert all(row[0] >= 0 and row[1] > 0 for row in r["rows"])
+    # Calls per forward are whole numbers when every forward issues the same ops (2 forwards: halves at most).
+    assert all((2 * row[1]).is_integer() for row in r["rows"])
