@@ -60,21 +60,13 @@ def run(model_name: str, length: int, batch: int, steps: int, budget: int, verif
         depth: int = 2) -> dict:
     """`steps` timed forwards (decode steps, or verification forwards of `verify` tokens) after 4 untimed decode steps.
     -> `{"forwards", "rows": [(ms per forward, calls per forward, op, call site)], "total_ms"}`, slowest first."""
-    from fc_hf.compat import cache_kwarg
-
-    from ..methods import prepare_model
-    from .common import base_config, bench_cache, bench_profile, build_model, decode_step, ingest_random_kv, model_config
+    from .common import decode_step, filled_flexicache, flexicache_model
 
     warmup = 4
-    config = model_config(model_name, max_positions=max(8192, length + warmup + steps * max(verify, 1) + 64),
-                          layers=layers)
-    model = build_model(config)
-    prepare_model(model, "flexicache")
-    profile, _ = bench_profile(config, 0.25, prefer_shipped=model_name == "smollm2" and layers is None)
-    kwarg = cache_kwarg(model)
-    cache = bench_cache("flexicache", config, budget, profile, base=base_config(None, budget),
-                        tokens=length + warmup + steps * max(verify, 1) + 1)
-    ingest_random_kv(cache, config, batch, length)
+    # The tokens held at most (a verification is cropped back after each forward): the capacity a ranking scores.
+    held = length + warmup + (verify or steps)
+    config, model, profile, kwarg = flexicache_model(model_name, held, layers)
+    cache = filled_flexicache(config, profile, budget, batch, length, held)
     token = torch.randint(1, config.vocab_size, (batch, 1), generator=torch.Generator().manual_seed(0))
     mode = CallSites(depth)
     position = length

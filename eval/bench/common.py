@@ -164,6 +164,27 @@ def bench_cache(method: str, config, budget: int, profile=None, base=None, token
                       max_cache_len=tokens)
 
 
+def flexicache_model(model_name: str, tokens: int, layers: int | None = None):
+    """A random-weight model of `model_name` (`layers` of them, all with None) set up for FlexiCache, with positions for
+    `tokens`: `(config, model, profile, cache keyword)`; the profile is the shipped one for the whole SmolLM2."""
+    from fc_hf.compat import cache_kwarg
+
+    from ..methods import prepare_model
+
+    config = model_config(model_name, max_positions=max(8192, tokens + 64), layers=layers)
+    model = build_model(config)
+    prepare_model(model, "flexicache")
+    profile, _ = bench_profile(config, 0.25, prefer_shipped=model_name == "smollm2" and layers is None)
+    return config, model, profile, cache_kwarg(model)
+
+
+def filled_flexicache(config, profile, budget: int, batch: int, length: int, tokens: int):
+    """A FlexiCache with room for `tokens` per sequence, `length` random tokens written through `cache.update`."""
+    cache = bench_cache("flexicache", config, budget, profile, base=base_config(None, budget), tokens=tokens + 1)
+    ingest_random_kv(cache, config, batch, length)
+    return cache
+
+
 def base_config(options: dict | None, budget: int | None = None):
     """The `FlexiCacheConfig` `make_cache` starts from (`base`): the defaults with `options` set, as in ops.py.
 

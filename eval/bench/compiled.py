@@ -19,22 +19,11 @@ import torch
 
 def run(model_name: str, length: int, batch: int, steps: int, budget: int, layers: int | None, backend: str,
         warmup: int) -> dict:
-    from fc_hf.compat import cache_kwarg
+    from .common import decode_step, filled_flexicache, flexicache_model
 
-    from ..methods import prepare_model
-    from .common import base_config, bench_cache, bench_profile, build_model, decode_step, ingest_random_kv, model_config
-
-    config = model_config(model_name, max_positions=max(8192, length + steps + warmup + 64), layers=layers)
-    model = build_model(config)
-    prepare_model(model, "flexicache")
-    profile, _ = bench_profile(config, 0.25, prefer_shipped=model_name == "smollm2" and layers is None)
-    kwarg = cache_kwarg(model)
-    caches = []
-    for _ in range(2):
-        cache = bench_cache("flexicache", config, budget, profile, base=base_config(None, budget),
-                            tokens=length + steps + warmup + 1)
-        ingest_random_kv(cache, config, batch, length)
-        caches.append(cache)
+    held = length + steps + warmup
+    config, model, profile, kwarg = flexicache_model(model_name, held, layers)
+    caches = [filled_flexicache(config, profile, budget, batch, length, held) for _ in range(2)]
     compiled = torch.compile(model, backend=backend, fullgraph=True, dynamic=False)
     token = torch.randint(1, config.vocab_size, (batch, 1), generator=torch.Generator().manual_seed(0))
     tokens = {"eager": token, "compiled": token}
