@@ -84,6 +84,14 @@ class BlockPlan:
         return cls(t, [x[0] for x in entries], [x[1] for x in entries], [x[2] for x in entries], prev,
                    t * len(unstable), by_local)
 
+    def last_entries(self, before: int) -> dict[int, int]:
+        """The last entry of each row at a step `< before` (the rankings that apply to its token `before`), by row."""
+        last: dict[int, int] = {}
+        for e, (row, step) in enumerate(zip(self.rows, self.steps)):
+            if step < before and (row not in last or self.steps[last[row]] < step):
+                last[row] = e
+        return last
+
     def latest(self, local: int, before: int, strict: bool = True) -> int:
         """The last stable entry of stable row `local` at a step `< before` (`<=` without `strict`), -1 for none."""
         found = -1
@@ -201,9 +209,9 @@ def _stable(layer, q, plan: BlockPlan, ranking, bias, scaling, softcap, out, as_
         e_steps = as_tensor(plan.steps[first:])
         page = bias.page.index_select(0, e_steps * store.batch)
         window, _, present = plan_windows(store, ranking.pages[first:], page)
+        before = [plan.latest(plan.local[e], plan.steps[e]) for e in range(first, len(plan.rows))]
         old = torch.cat([store.win_pages[:n_s], window]).index_select(0, as_tensor(
-            [n_s + plan.latest(plan.local[e], plan.steps[e]) - first if plan.latest(plan.local[e], plan.steps[e]) >= 0
-             else plan.local[e] for e in range(first, len(plan.rows))]))
+            [n_s + b - first if b >= 0 else plan.local[e] for e, b in zip(range(first, len(plan.rows)), before)]))
         fresh = newly_resident(window, old, present).sum(dim=1) if store.host_tier else window.new_zeros(len(local))
         made = _Windows(window, store.win_base.index_select(0, local) + (k - 1 - page) * p,
                         window_pages_of(store, e_rows, window, store.full_k),
@@ -284,10 +292,7 @@ class _Before:
         first = plan.n_unstable
         carried_rows, window_rows = [], []
         for j in range(t):
-            last = {}
-            for e, (row, step) in enumerate(zip(plan.rows, plan.steps)):
-                if step < j and (row not in last or plan.steps[last[row]] < step):
-                    last[row] = e
+            last = plan.last_entries(j)
             carried_rows.append([rows + last[r] if r in last else r for r in range(rows)])
             n_s = self.win_pages.shape[0] - 1
             latest = [plan.latest(l, j) for l in range(n_s)]
@@ -320,10 +325,7 @@ def _settle(layer, plan: BlockPlan, carried, made: _Windows | None, as_tensor) -
     """Leave the layer as the block's last step would: each row's last carried candidates, each stable row's last
     window, the pages promoted, the count of tokens."""
     store, selector = layer.store, layer.selector
-    last: dict[int, int] = {}
-    for e, (row, step) in enumerate(zip(plan.rows, plan.steps)):
-        if row not in last or plan.steps[last[row]] < step:
-            last[row] = e
+    last = plan.last_entries(plan.t)
     if carried is not None and last:
         rows, entries = as_tensor(list(last)), as_tensor(list(last.values()))
         selector.carried_pages.index_copy_(0, rows, carried[0].index_select(0, entries))
