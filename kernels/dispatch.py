@@ -2,9 +2,9 @@
 
 `backend_for` picks per call: "triton" for CUDA tensors where Triton imports, else "torch"; `FLEXICACHE_BACKEND=
 torch|triton` (or `FlexiCacheConfig.backend`, passed here as `backend=`) forces either. On the Triton backend
-`page_scores` and `attention` run Triton kernels registered as `torch.library` custom ops (`flexicache::page_scores`,
-`flexicache::attention`, in `triton_ops.py`, imported only on first use so Triton stays optional), each one node of a
-compiled step. The other primitives (`candidate_mass` and its parts, `attention_from_logits`, `gather_pages`,
+`page_scores`, `attention` and a decode token's writes (`append_token`) run Triton kernels registered as `torch.library`
+custom ops (`flexicache::page_scores`, `flexicache::attention`, `flexicache::append_token`, in `triton_ops.py`,
+imported only on first use so Triton stays optional), each one node of a compiled step. The other primitives (`candidate_mass` and its parts, `attention_from_logits`, `gather_pages`,
 `subpage_minmax`) are the PyTorch backend (`torch_backend.py`) on both.
 """
 
@@ -79,6 +79,16 @@ def attention_from_logits(logits, values, backend=None):
 
 def gather_pages(tier, index, backend=None):
     return torch_backend.gather_pages(tier, index)
+
+
+def append_token(keys, values, position, length, full_k, full_v, meta, meta_row, win_k, win_v, win_shift, stable_local,
+                 near_k, near_v, near_place, subpage_len, backend=None):
+    """See `torch_backend.append_token`; on the Triton backend the `flexicache::append_token` op (one launch)."""
+    args = (keys, values, position, length, full_k, full_v, meta, meta_row, win_k, win_v, win_shift, stable_local,
+            near_k, near_v, near_place, subpage_len)
+    if backend_for(keys, backend) == "triton":
+        return _triton_ops().append_token(*args)
+    return torch_backend.append_token(*args)
 
 
 def subpage_minmax(keys, sub, backend=None):

@@ -178,3 +178,41 @@ def subpage_minmax(keys: torch.Tensor, sub: torch.Tensor) -> torch.Tensor:
     else:
         low, high = torch.aminmax(tokens, dim=2)
     return torch.cat([high, low], dim=-1).transpose(1, 2)
+
+
+def append_token(keys: torch.Tensor, values: torch.Tensor, position: torch.Tensor, length: torch.Tensor,
+                 full_k: torch.Tensor, full_v: torch.Tensor, meta: torch.Tensor, meta_row: torch.Tensor,
+                 win_k: torch.Tensor, win_v: torch.Tensor, win_shift: torch.Tensor, stable_local: torch.Tensor,
+                 near_k: torch.Tensor, near_v: torch.Tensor, near_place: torch.Tensor, subpage_len: int) -> None:
+    """A decode token's writes, the contract of the Triton backend's one-launch `flexicache::append_token` (the decode
+    step's PyTorch path, `fc_hf/decode.py:append`, makes the same writes with indices it shares across layers).
+
+    Args:
+        keys, values (`torch.Tensor` of shape `[n, D]`, `[n, Dv]`): the token of each row (row order).
+        position, length (`torch.Tensor`, long scalars): where the token goes; the count of tokens, `+= 1`.
+        full_k, full_v (`torch.Tensor` of shape `[n, C, D]`, `[n, C, Dv]`): every row's full tier, written at `position`.
+        meta (`torch.Tensor` of shape `[n, 2D, E]`), meta_row (`[n]`): the MinMax entry of the sub-page of
+            `subpage_len` tokens the token falls in, recomputed from that sub-page's tokens (channel max, then min), goes
+            to row `meta_row[r]` (the MinMax cache's kind order).
+        win_k, win_v (`torch.Tensor` of shape `[N_S + 1, W * P, D]`, ... `Dv]`), win_shift (`[N_S + 1]`), stable_local
+            (`[n]`): a stable row (`stable_local < N_S`) also writes its window at flat index
+            `win_shift[stable_local] + position`.
+        near_k, near_v (`torch.Tensor` of shape `[N_near, C, D]`, ... `Dv]`, or empty), near_place (`[n]`): where
+            given, the other rows also write their near tier, row `near_place[r]`.
+    """
+    n, d = keys.shape
+    n_s = win_shift.shape[0] - 1
+    rows = torch.arange(n, device=keys.device)
+    full_k[rows, position] = keys
+    full_v[rows, position] = values
+    stable = stable_local < n_s
+    slot = win_shift[stable_local] + position
+    win_k.view(-1, d)[slot[stable]] = keys[stable]
+    win_v.view(-1, values.shape[1])[slot[stable]] = values[stable]
+    if near_k.numel():
+        near_k[near_place[~stable], position] = keys[~stable]
+        near_v[near_place[~stable], position] = values[~stable]
+    sub = position // subpage_len
+    tokens = full_k.view(n, -1, subpage_len, d)[:, sub]  # [n, subpage_len, D]
+    meta[meta_row, :, sub] = torch.cat([tokens.amax(dim=1), tokens.amin(dim=1)], dim=-1)
+    length.add_(1)

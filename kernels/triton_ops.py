@@ -1,8 +1,8 @@
 """Triton kernels of the decode step, registered as `torch.library` custom ops.
 
-Each op (`flexicache::page_scores`, `flexicache::attention`) has the contract of the `torch_backend` function of the
-same name (read its docstring for the shapes) and a fake implementation (`register_fake`: output shape and dtype
-only), so `torch.compile(fullgraph=True)` keeps a call as one opaque node of the graph and never traces into Triton.
+Each op (`flexicache::page_scores`, `flexicache::attention`, `flexicache::append_token`) has the contract of the
+`torch_backend` function of the same name (read its docstring for the shapes) and a fake implementation
+(`register_fake`: output shape and dtype only, or nothing for the op that only writes), so `torch.compile(fullgraph=True)` keeps a call as one opaque node of the graph and never traces into Triton.
 `dispatch.py` routes to them where `backend_for` answers "triton"; nothing else imports this module, so Triton stays an
 optional dependency (this module imports it at the top).
 
@@ -22,6 +22,8 @@ Numerics, as the PyTorch backend:
 - A query row whose bias masks every token (-inf everywhere) gives NaN, as `torch.softmax` over an all -inf row does
   in the backend; a +inf bias in `attention` (outside its contract: 0 or -inf) gives NaN as in the backend too. With no
   token at all (M == 0) the output is zeros, as the backend's empty matmul.
+- `append_token`: copies and a max / min over a sub-page's tokens, so the writes are the backend's bit for bit (the
+  decode step's PyTorch path makes the same writes in 6-13 ops; here one launch per layer and step).
 """
 
 import functools
@@ -403,4 +405,122 @@ def _attention_fake(query, keys, values, bias, scaling, softcap=None):
     return values.new_empty((query.shape[0], query.shape[1], values.shape[2]))
 
 
-__all__ = ["attention", "page_scores"]
+# --------------------------------------------------------------------------------------------------
+# A decode token's writes
+# --------------------------------------------------------------------------------------------------
+
+@triton.jit
+def _append_token_kernel(
+    k_ptr, v_ptr, pos_ptr, len_ptr, fk_ptr, fv_ptr, meta_ptr, meta_row_ptr, wk_ptr, wv_ptr, wshift_ptr, local_ptr,
+    nk_ptr, nv_ptr, near_ptr,
+    D, DV, N_S,
+    stride_kn, stride_kd, stride_vn, stride_vd,
+    stride_fkn, stride_fkt, stride_fkd, stride_fvn, stride_fvt, stride_fvd,
+    stride_mn, stride_mc, stride_me,
+    stride_wkt, stride_wkd, stride_wvt, stride_wvd,
+    stride_nkn, stride_nkt, stride_nkd, stride_nvn, stride_nvt, stride_nvd,
+    SUB: tl.constexpr,
+    BLOCK_SUB: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    NEAR: tl.constexpr,
+):
+    """One program: one row's token at `position`, written to the full tier, to its window (a stable row) or its near
+    tier (the others, where apart), and the MinMax entry of its sub-page from that sub-page's SUB tokens (the new one
+    taken from the registers, so no program reads what another wrote). Program 0 adds the token to the count."""
+    row = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    d_ok = offs_d < D
+    dv_ok = offs_dv < DV
+    key = tl.load(k_ptr + row * stride_kn + offs_d * stride_kd, mask=d_ok)
+    value = tl.load(v_ptr + row * stride_vn + offs_dv * stride_vd, mask=dv_ok)
+    tl.store(fk_ptr + row * stride_fkn + pos * stride_fkt + offs_d * stride_fkd, key, mask=d_ok)
+    tl.store(fv_ptr + row * stride_fvn + pos * stride_fvt + offs_dv * stride_fvd, value, mask=dv_ok)
+
+    local = tl.load(local_ptr + row)  # among the stable rows; N_S (the extra row) for the others
+    stable_d = (offs_d * 0 + local) < N_S  # as blocks: the interpreter takes no scalar in a mask
+    stable_dv = (offs_dv * 0 + local) < N_S
+    slot = tl.load(wshift_ptr + local) + pos  # `win_shift + position`: the flat window index
+    tl.store(wk_ptr + slot * stride_wkt + offs_d * stride_wkd, key, mask=d_ok & stable_d)
+    tl.store(wv_ptr + slot * stride_wvt + offs_dv * stride_wvd, value, mask=dv_ok & stable_dv)
+    if NEAR:
+        near = tl.load(near_ptr + row)
+        tl.store(nk_ptr + near * stride_nkn + pos * stride_nkt + offs_d * stride_nkd, key, mask=d_ok & ~stable_d)
+        tl.store(nv_ptr + near * stride_nvn + pos * stride_nvt + offs_dv * stride_nvd, value, mask=dv_ok & ~stable_dv)
+
+    sub = pos // SUB
+    offs_t = sub * SUB + tl.arange(0, BLOCK_SUB)
+    t_ok = tl.arange(0, BLOCK_SUB) < SUB
+    tokens = tl.load(fk_ptr + row * stride_fkn + offs_t[:, None] * stride_fkt + offs_d[None, :] * stride_fkd,
+                     mask=t_ok[:, None] & d_ok[None, :], other=0.0)
+    tokens = tl.where((offs_t == pos)[:, None], key[None, :], tokens)
+    high = tl.max(tl.where(t_ok[:, None], tokens, float("-inf")), axis=0)
+    low = tl.min(tl.where(t_ok[:, None], tokens, float("inf")), axis=0)
+    entry = meta_ptr + tl.load(meta_row_ptr + row) * stride_mn + sub * stride_me
+    tl.store(entry + offs_d * stride_mc, high.to(meta_ptr.dtype.element_ty), mask=d_ok)
+    tl.store(entry + (D + offs_d) * stride_mc, low.to(meta_ptr.dtype.element_ty), mask=d_ok)
+    if row == 0:
+        tl.atomic_add(len_ptr, 1)
+
+
+def _check_append_token(keys, values, full_k, full_v, meta, win_k, win_v, near_k, near_v, subpage_len):
+    n, d = keys.shape
+    if values.shape[0] != n or full_k.shape[0] != n or full_v.shape[0] != n or meta.shape[:2] != (n, 2 * d):
+        raise ValueError(f"append_token: keys [n, D], values [n, Dv], full tiers [n, C, *], meta [n, 2D, E]; got "
+                         f"{tuple(keys.shape)}, {tuple(values.shape)}, {tuple(full_k.shape)}, {tuple(meta.shape)}")
+    if full_k.shape[1] % subpage_len or meta.shape[2] != full_k.shape[1] // subpage_len:
+        raise ValueError(f"append_token: {meta.shape[2]} MinMax entries of {subpage_len} tokens do not cover the "
+                         f"capacity {full_k.shape[1]}")
+    for name, t in (("win_k", win_k), ("win_v", win_v)):
+        if t.shape[0] > 1 and t.shape[1] and t.stride(0) != t.shape[1] * t.stride(1):  # (no window: nothing written)
+            raise ValueError(f"append_token: {name} must be flat-indexable over its first two dims (contiguous rows)")
+    if (near_k.numel() == 0) != (near_v.numel() == 0):
+        raise ValueError("append_token: near_k and near_v are both given or both empty")
+
+
+@torch.library.custom_op("flexicache::append_token", mutates_args=("length", "full_k", "full_v", "meta", "win_k",
+                                                                    "win_v", "near_k", "near_v"))
+def append_token(keys: torch.Tensor, values: torch.Tensor, position: torch.Tensor, length: torch.Tensor,
+                 full_k: torch.Tensor, full_v: torch.Tensor, meta: torch.Tensor, meta_row: torch.Tensor,
+                 win_k: torch.Tensor, win_v: torch.Tensor, win_shift: torch.Tensor, stable_local: torch.Tensor,
+                 near_k: torch.Tensor, near_v: torch.Tensor, near_place: torch.Tensor, subpage_len: int) -> None:
+    """A decode token's writes in one launch (Triton); see `torch_backend.append_token`."""
+    _check_append_token(keys, values, full_k, full_v, meta, win_k, win_v, near_k, near_v, subpage_len)
+    _check_device(keys, values, position, length, full_k, full_v, meta, win_k, win_v, near_k, near_v)
+    if keys.shape[0] == 0:
+        return
+    args, constexprs = _append_token_launch(keys, values, position, length, full_k, full_v, meta, meta_row, win_k,
+                                            win_v, win_shift, stable_local, near_k, near_v, near_place, subpage_len)
+    _append_token_kernel[(keys.shape[0],)](**args, **constexprs)
+
+
+def _append_token_launch(keys, values, position, length, full_k, full_v, meta, meta_row, win_k, win_v, win_shift,
+                         stable_local, near_k, near_v, near_place, subpage_len):
+    """`(args, constexprs)` of the `_append_token_kernel` launch, one program a row. Without a near tier apart (`near_k`
+    None or empty) the kernel's near pointers are the full tier's and NEAR is off."""
+    near = near_k is not None and near_k.numel() > 0
+    near_k, near_v = (near_k, near_v) if near else (full_k, full_v)
+    d, dv = keys.shape[1], values.shape[1]
+    args = dict(k_ptr=keys, v_ptr=values, pos_ptr=position, len_ptr=length, fk_ptr=full_k, fv_ptr=full_v,
+                meta_ptr=meta, meta_row_ptr=meta_row, wk_ptr=win_k, wv_ptr=win_v, wshift_ptr=win_shift,
+                local_ptr=stable_local, nk_ptr=near_k, nv_ptr=near_v, near_ptr=near_place, D=d, DV=dv,
+                N_S=win_shift.shape[0] - 1,
+                **_strides("k", "nd", keys.stride()), **_strides("v", "nd", values.stride()),
+                **_strides("fk", "ntd", full_k.stride()), **_strides("fv", "ntd", full_v.stride()),
+                **_strides("m", "nce", meta.stride()),
+                **_strides("wk", "td", win_k.stride()[1:]), **_strides("wv", "td", win_v.stride()[1:]),
+                **_strides("nk", "ntd", near_k.stride()), **_strides("nv", "ntd", near_v.stride()))
+    constexprs = dict(SUB=subpage_len, BLOCK_SUB=triton.next_power_of_2(subpage_len),
+                      BLOCK_D=triton.next_power_of_2(d), BLOCK_DV=triton.next_power_of_2(dv), NEAR=near)
+    return args, constexprs
+
+
+@append_token.register_fake
+def _append_token_fake(keys, values, position, length, full_k, full_v, meta, meta_row, win_k, win_v, win_shift,
+                       stable_local, near_k, near_v, near_place, subpage_len):
+    _check_append_token(keys, values, full_k, full_v, meta, win_k, win_v, near_k, near_v, subpage_len)
+
+
+__all__ = ["append_token", "attention", "page_scores"]

@@ -307,6 +307,149 @@ def test_empty_inputs_match_backend(triton_ops, what):
 
 
 # --------------------------------------------------------------------------------------------------
+# A decode token's writes
+# --------------------------------------------------------------------------------------------------
+
+def _append_inputs(dtype, near: bool, seed: int, n=6, capacity=64, d=12, dv=10, sub=4, n_s=3, wp=32):
+    """`(args, state names)` of `append_token`: rows 1, 3, 4 stable (locals 0, 1, 2), the others near; the MinMax rows
+    in a permuted (kind) order; every tensor it writes starts random, so a write that is missing or misplaced shows."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen).to(dtype)
+
+    stable_local = torch.tensor([n_s, 0, n_s, 1, 2, n_s])
+    near_place = torch.tensor([0, 0, 1, 0, 0, 2])
+    win_shift = torch.arange(n_s + 1) * wp - torch.tensor([20, 25, 18, 20])  # a window's position 0 before the token
+    near_k = rand(3, capacity, d) if near else torch.empty(0, 1, d, dtype=dtype)
+    near_v = rand(3, capacity, dv) if near else torch.empty(0, 1, dv, dtype=dtype)
+    return dict(keys=rand(n, d), values=rand(n, dv), full_k=rand(n, capacity, d), full_v=rand(n, capacity, dv),
+                meta=rand(n, 2 * d, capacity // sub), meta_row=torch.randperm(n, generator=gen),
+                win_k=rand(n_s + 1, wp, d), win_v=rand(n_s + 1, wp, dv), win_shift=win_shift, stable_local=stable_local,
+                near_k=near_k, near_v=near_v, near_place=near_place, subpage_len=sub)
+
+
+def _append(fn, inputs, position):
+    """Run `fn` (an `append_token`) on copies of `inputs` at `position`: the written tensors and the count after."""
+    state = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+    dev = {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+    length = torch.tensor(position, device=DEVICE)
+    fn(dev["keys"], dev["values"], torch.tensor(position, device=DEVICE), length, dev["full_k"], dev["full_v"],
+       dev["meta"], dev["meta_row"], dev["win_k"], dev["win_v"], dev["win_shift"], dev["stable_local"], dev["near_k"],
+       dev["near_v"], dev["near_place"], dev["subpage_len"])
+    n_s = inputs["win_shift"].shape[0] - 1
+    out = {k: dev[k].cpu() for k in ("full_k", "full_v", "meta", "near_k", "near_v")}
+    out.update(win_k=dev["win_k"][:n_s].cpu(), win_v=dev["win_v"][:n_s].cpu(), length=int(length))  # extra row: never read
+    return out
+
+
+@kernels_here
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("near", [False, True], ids=["near-in-full-tier", "near-apart"])
+@pytest.mark.parametrize("position", [24, 26, 31])  # a sub-page's first token, a middle one, the last of a page
+def test_append_token_matches_backend(triton_ops, dtype, near, position):
+    """The one-launch decode token writes (full tier, window or near tier, the sub-page's MinMax entry from its tokens,
+    the count) equal the backend's bit for bit; each of them changed something."""
+    inputs = _append_inputs(dtype, near, seed=position)
+    got, want = _append(triton_ops.append_token, inputs, position), _append(torch_backend.append_token, inputs, position)
+    for name, expected in want.items():
+        assert (got[name] == expected) if name == "length" else torch.equal(got[name], expected), name
+    assert want["length"] == position + 1
+    for name in ("full_k", "full_v", "meta", "win_k", "win_v") + (("near_k", "near_v") if near else ()):
+        n_s = inputs["win_shift"].shape[0] - 1
+        before = inputs[name][:n_s] if name.startswith("win") else inputs[name]
+        assert not torch.equal(want[name], before), f"{name} was not written"
+
+
+@kernels_here
+def test_append_token_writes_what_a_decode_step_writes(triton_ops, monkeypatch):
+    """On a real cache (stable, unstable and streaming rows, a layer without stable rows, near rows apart or not,
+    promotions and page openings) a decode step whose token writes go through the op leaves every state and logit of the PyTorch path, bit for bit."""
+    import fc_hf.decode as decode
+    from conftest import left_padded_batch, tiny_model
+
+    from fc_hf import FlexiCache, FlexiCacheConfig, HeadProfile
+    from fc_hf.store import PageStore
+
+    class OneLaunchWrites:  # `decode.append` takes the op; every other kernel call is the PyTorch backend's
+        def __getattr__(self, name):
+            return getattr(dispatch, name)
+
+        @staticmethod
+        def backend_for(tensor, forced=None):
+            return "triton"
+
+    launches, op = [], triton_ops.append_token
+    monkeypatch.setattr(triton_ops, "append_token", lambda *args: launches.append(1) or op(*args))
+    model = tiny_model("llama", layers=3, kv_heads=3, heads=6)
+    ids, mask = left_padded_batch(2, 37, pad_lengths=[0, 6])
+    forced = torch.randint(1, 97, (2, 24), generator=torch.Generator().manual_seed(2))
+    # Layer 0: stable, unstable and streaming rows; layer 1: stable and unstable; layer 2: unstable only (no window).
+    unstable = [(0, 1), (1, 0), (2, 0), (2, 1), (2, 2)]
+    for split in (False, True):
+        monkeypatch.setattr(PageStore, "split_on_cpu", split)
+        runs = {}
+        for one_launch in (False, True):
+            if one_launch:
+                monkeypatch.setattr(decode, "kernels", OneLaunchWrites())
+            cfg = FlexiCacheConfig(streaming_heads=((0, 2),), streaming_sink_pages=1, page_size=4, token_budget=16,
+                                   rerank_interval=3)
+            cache = FlexiCache(model.config, cfg, HeadProfile.from_unstable(model.config, unstable))
+            steps, m = [], mask
+            with torch.no_grad():
+                model(input_ids=ids, attention_mask=m, past_key_values=cache, use_cache=True)
+                for t in range(forced.shape[1]):
+                    m = torch.cat([m, torch.ones(2, 1, dtype=m.dtype)], 1)
+                    steps.append(model(input_ids=forced[:, t : t + 1], attention_mask=m, past_key_values=cache,
+                                       use_cache=True).logits[:, -1])
+            runs[one_launch] = torch.stack(steps, 1), cache
+            monkeypatch.setattr(decode, "kernels", dispatch)
+        assert torch.equal(runs[True][0], runs[False][0])
+        for a, b in zip(runs[True][1].layers, runs[False][1].layers):
+            assert a.store.near_apart is (split and a.store.rows.n_stable > 0)  # no stable row: no tier apart
+            for name in ("full_k", "full_v", "meta", "near_k", "near_v", "win_pages", "win_shift", "length_t"):
+                assert torch.equal(getattr(a.store, name), getattr(b.store, name)), name
+            n_s = a.store.rows.n_stable
+            assert torch.equal(a.store.win_k[:n_s], b.store.win_k[:n_s])
+            assert torch.equal(a.store.win_v[:n_s], b.store.win_v[:n_s])
+        assert runs[True][1].stats()["pages_promoted"] == runs[False][1].stats()["pages_promoted"] > 0
+    assert len(launches) == 2 * forced.shape[1] * 3  # one per layer and step, in both layouts
+
+
+@kernels_here
+def test_append_token_op_checks_and_compiles(triton_ops):
+    """opcheck (schema, the declared mutations, fake tensors); a compiled function (`fullgraph=True`, aot_eager) that
+    calls it is one graph whose writes are eager's."""
+    inputs = _append_inputs(torch.float32, True, seed=3)
+    args = [v.to(DEVICE) if isinstance(v, torch.Tensor) else v for v in inputs.values()]
+    keys, values, full_k, full_v, meta, meta_row, win_k, win_v, win_shift, local, near_k, near_v, near_place, sub = args
+    position, length = torch.tensor(26, device=DEVICE), torch.tensor(26, device=DEVICE)
+    call = (keys, values, position, length, full_k, full_v, meta, meta_row, win_k, win_v, win_shift, local, near_k,
+            near_v, near_place, sub)
+    torch.library.opcheck(torch.ops.flexicache.append_token.default, tuple(
+        t.clone() if isinstance(t, torch.Tensor) else t for t in call))
+
+    def step(*a):
+        dispatch.append_token(*a, backend="triton")
+        return a[3] + 0, a[6].sum()
+
+    eager_state = [t.clone() if isinstance(t, torch.Tensor) else t for t in call]
+    eager = step(*eager_state)
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled_state = [t.clone() if isinstance(t, torch.Tensor) else t for t in call]
+    compiled = torch.compile(step, fullgraph=True, backend=counter)(*compiled_state)
+    assert counter.frame_count == 1
+    for got, want in zip(compiled, eager):
+        assert torch.equal(got, want)
+    for got, want in zip(compiled_state, eager_state):
+        if isinstance(got, torch.Tensor):
+            assert torch.equal(got, want)
+
+
+# --------------------------------------------------------------------------------------------------
 # Custom ops: fake implementations, opcheck, torch.compile, dispatch
 # --------------------------------------------------------------------------------------------------
 
@@ -447,7 +590,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from fc_hf.kernels import triton_ops as ops
 
-TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.int64: "i64"}
 
 def ptxas():
     try:
@@ -497,6 +640,14 @@ for dt in (torch.bfloat16, torch.float32):
         for kernel, _, a, c, o in ops._attention_launches(q, k, v, bias, 0.1, cap, torch.empty(16, 4, 128, dtype=dt),
                                                           target=264):
             build(kernel, a, c, o, f"{kernel.__name__} {bits} softcap={cap}")
+    for near in (True, False):
+        long = lambda *shape: torch.zeros(*shape, dtype=torch.long)
+        near_k = torch.empty(4, 2048, 128, dtype=dt) if near else None
+        a, c = ops._append_token_launch(torch.empty(16, 128, dtype=dt), torch.empty(16, 128, dtype=dt), long(()), long(()),
+                                        torch.empty(16, 2048, 128, dtype=dt), torch.empty(16, 2048, 128, dtype=dt),
+                                        torch.empty(16, 256, 1024, dtype=dt), long(16), torch.empty(13, 2048, 128, dtype=dt),
+                                        torch.empty(13, 2048, 128, dtype=dt), long(13), long(16), near_k, near_k, long(16), 2)
+        build(ops._append_token_kernel, a, c, {}, f"append_token {bits} near={near}")
 print("built")
 """
 
