@@ -218,6 +218,11 @@ class PageSelector:
         each (the page being filled, `page` (a scalar or one per ranking), at most); a score of -inf where a row had
         fewer candidates of positive, finite mass (neither forced nor never attendable). Written into `into`
         (`(pages, scores)` views of the state) where given."""
+        if kernels.backend_for(mass, self.cfg.backend) == "triton":  # one launch
+            out = into if into is not None else (torch.empty_like(self.carried_pages[: mass.shape[0]]),
+                                                 torch.empty_like(self.carried_scores[: mass.shape[0]]))
+            kernels.carry_out(cand, mass, page, min(self.carry, mass.shape[1]), CARRIED_SCORE, *out, backend="triton")
+            return out
         top = mass.nan_to_num(posinf=0.0, neginf=0.0).topk(min(self.carry, mass.shape[1]), dim=-1)
         best = cand.gather(1, top.indices)[..., None]  # [n, carry, 1]
         n, carry = best.shape[:2]

@@ -2,10 +2,11 @@
 
 `backend_for` picks per call: "triton" for CUDA tensors where Triton imports, else "torch"; `FLEXICACHE_BACKEND=
 torch|triton` (or `FlexiCacheConfig.backend`, passed here as `backend=`) forces either. On the Triton backend
-`page_scores`, `attention` and a decode token's writes (`append_token`) run Triton kernels registered as `torch.library`
-custom ops (`flexicache::page_scores`, `flexicache::attention`, `flexicache::append_token`, in `triton_ops.py`,
-imported only on first use so Triton stays optional), each one node of a compiled step. The other primitives (`candidate_mass` and its parts, `attention_from_logits`, `gather_pages`,
-`subpage_minmax`) are the PyTorch backend (`torch_backend.py`) on both.
+`page_scores`, `attention`, a decode token's writes (`append_token`) and a ranking's carried candidates (`carry_out`)
+run Triton kernels registered as `torch.library` custom ops (`flexicache::page_scores`, `flexicache::attention`,
+`flexicache::append_token`, `flexicache::carry_out`, in `triton_ops.py`, imported only on first use so Triton stays
+optional), each one node of a compiled step. The other primitives (`candidate_mass` and its parts,
+`attention_from_logits`, `gather_pages`, `subpage_minmax`) are the PyTorch backend (`torch_backend.py`) on both.
 """
 
 from __future__ import annotations
@@ -89,6 +90,13 @@ def append_token(keys, values, position, length, full_k, full_v, meta, meta_row,
     if backend_for(keys, backend) == "triton":
         return _triton_ops().append_token(*args)
     return torch_backend.append_token(*args)
+
+
+def carry_out(cand, mass, page, carry, score, pages_out, scores_out, backend=None):
+    """See `torch_backend.carry_out`; on the Triton backend the `flexicache::carry_out` op (one launch)."""
+    if backend_for(mass, backend) == "triton":
+        return _triton_ops().carry_out(cand, mass, page, carry, score, pages_out, scores_out)
+    return torch_backend.carry_out(cand, mass, page, carry, score, pages_out, scores_out)
 
 
 def subpage_minmax(keys, sub, backend=None):

@@ -190,10 +190,11 @@ def append_token(keys: torch.Tensor, values: torch.Tensor, position: torch.Tenso
     Args:
         keys, values (`torch.Tensor` of shape `[n, D]`, `[n, Dv]`): the token of each row (row order).
         position, length (`torch.Tensor`, long scalars): where the token goes; the count of tokens, `+= 1`.
-        full_k, full_v (`torch.Tensor` of shape `[n, C, D]`, `[n, C, Dv]`): every row's full tier, written at `position`.
+        full_k, full_v (`torch.Tensor` of shape `[n, C, D]`, `[n, C, Dv]`): every row's full tier, written at
+            `position`.
         meta (`torch.Tensor` of shape `[n, 2D, E]`), meta_row (`[n]`): the MinMax entry of the sub-page of
-            `subpage_len` tokens the token falls in, recomputed from that sub-page's tokens (channel max, then min), goes
-            to row `meta_row[r]` (the MinMax cache's kind order).
+            `subpage_len` tokens the token falls in, recomputed from that sub-page's tokens (channel max, then min),
+            goes to row `meta_row[r]` (the MinMax cache's kind order).
         win_k, win_v (`torch.Tensor` of shape `[N_S + 1, W * P, D]`, ... `Dv]`), win_shift (`[N_S + 1]`), stable_local
             (`[n]`): a stable row (`stable_local < N_S`) also writes its window at flat index
             `win_shift[stable_local] + position`.
@@ -216,3 +217,27 @@ def append_token(keys: torch.Tensor, values: torch.Tensor, position: torch.Tenso
     tokens = full_k.view(n, -1, subpage_len, d)[:, sub]  # [n, subpage_len, D]
     meta[meta_row, :, sub] = torch.cat([tokens.amax(dim=1), tokens.amin(dim=1)], dim=-1)
     length.add_(1)
+
+
+def carry_out(cand: torch.Tensor, mass: torch.Tensor, page: torch.Tensor, carry: int, score: float,
+              pages_out: torch.Tensor, scores_out: torch.Tensor) -> None:
+    """What a refined ranking carries into its row's next one (`PageSelector`), the contract of the Triton backend's
+    one-launch `flexicache::carry_out` (the selector's PyTorch path computes the same with fewer copies).
+
+    Args:
+        cand, mass (`torch.Tensor` of shape `[n, C]`): the candidates and their attention mass (+-inf and NaN count
+            as 0).
+        page (`torch.Tensor`, a scalar or `[n]`): the page being filled, which no carried page passes (a later one is
+            carried as it).
+        carry (`int`, at most C): the candidates of most mass carried, each with the page after it.
+        score (`float`): a carried page's score where its mass is positive (else -inf: nothing carried).
+        pages_out, scores_out (`torch.Tensor` of shape `[n, W]`, W >= 2 carry): written: the pairs in order of mass,
+            then page 0 and -inf in the places past `2 carry`.
+    """
+    top = mass.nan_to_num(posinf=0.0, neginf=0.0).topk(carry, dim=-1)
+    best = cand.gather(1, top.indices)
+    limit = page.view(-1, 1) if page.dim() else page
+    pages_out.zero_()
+    scores_out.fill_(NEG_INF)
+    pages_out[:, : 2 * carry] = torch.minimum(torch.stack([best, best + 1], dim=-1).flatten(1), limit)
+    scores_out[:, : 2 * carry] = torch.where(top.values > 0, score, NEG_INF).repeat_interleave(2, dim=1)

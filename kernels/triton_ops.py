@@ -1,8 +1,9 @@
 """Triton kernels of the decode step, registered as `torch.library` custom ops.
 
-Each op (`flexicache::page_scores`, `flexicache::attention`, `flexicache::append_token`) has the contract of the
-`torch_backend` function of the same name (read its docstring for the shapes) and a fake implementation
-(`register_fake`: output shape and dtype only, or nothing for the op that only writes), so `torch.compile(fullgraph=True)` keeps a call as one opaque node of the graph and never traces into Triton.
+Each op (`flexicache::page_scores`, `flexicache::attention`, `flexicache::append_token`, `flexicache::carry_out`) has
+the contract of the `torch_backend` function of the same name (read its docstring for the shapes) and a fake
+implementation (`register_fake`: output shape and dtype only, or nothing for the ops that only write), so
+`torch.compile(fullgraph=True)` keeps a call as one opaque node of the graph and never traces into Triton.
 `dispatch.py` routes to them where `backend_for` answers "triton"; nothing else imports this module, so Triton stays an
 optional dependency (this module imports it at the top).
 
@@ -24,6 +25,9 @@ Numerics, as the PyTorch backend:
   token at all (M == 0) the output is zeros, as the backend's empty matmul.
 - `append_token`: copies and a max / min over a sub-page's tokens, so the writes are the backend's bit for bit (the
   decode step's PyTorch path makes the same writes in 6-13 ops; here one launch per layer and step).
+- `carry_out`: the backend's numbers exactly (a choice among candidates, a page index, a constant score); of equal
+  masses the first candidate is carried, where `torch.topk` does not say which (the pages scored -inf, which carry
+  nothing, may then differ).
 """
 
 import functools
@@ -523,4 +527,83 @@ def _append_token_fake(keys, values, position, length, full_k, full_v, meta, met
     _check_append_token(keys, values, full_k, full_v, meta, win_k, win_v, near_k, near_v, subpage_len)
 
 
-__all__ = ["append_token", "attention", "page_scores"]
+# --------------------------------------------------------------------------------------------------
+# A ranking's carried candidates
+# --------------------------------------------------------------------------------------------------
+
+@triton.jit
+def _carry_out_kernel(
+    cand_ptr, mass_ptr, page_ptr, pages_ptr, scores_ptr,
+    C, W, score,
+    stride_cn, stride_cc, stride_mn, stride_mc, stride_page, stride_pn, stride_pw, stride_sn, stride_sw,
+    CARRY: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    BLOCK_W: tl.constexpr,
+):
+    """One program: one row's `CARRY` candidates of most mass, one at a time (the first of equal masses), each with
+    the page after it, both at most the page being filled; the places past `2 CARRY` get page 0 and -inf."""
+    row = tl.program_id(0).to(tl.int64)
+    offs_c = tl.arange(0, BLOCK_C)
+    c_ok = offs_c < C
+    mass = tl.load(mass_ptr + row * stride_mn + offs_c * stride_mc, mask=c_ok, other=0.0)
+    mass = tl.where((mass == mass) & (tl.abs(mass) != float("inf")), mass, 0.0)  # NaN, +-inf: 0
+    key = tl.where(c_ok, mass, -2.0)  # the padded places below every mass (>= 0) and below a taken one (-1)
+    cand = tl.load(cand_ptr + row * stride_cn + offs_c * stride_cc, mask=c_ok, other=0)
+    limit = tl.load(page_ptr + row * stride_page)
+    offs_w = tl.arange(0, BLOCK_W)
+    pages = tl.zeros([BLOCK_W], dtype=tl.int64)
+    scores = tl.full([BLOCK_W], float("-inf"), dtype=tl.float32)
+    for j in tl.static_range(CARRY):
+        best = tl.max(key, axis=0)
+        at = tl.min(tl.where(key == best, offs_c, BLOCK_C), axis=0)  # the first place of the most mass
+        page = tl.sum(tl.where(offs_c == at, cand, 0), axis=0).to(tl.int64)
+        carried = tl.where(best > 0, score, float("-inf"))
+        pages = tl.where(offs_w == 2 * j, tl.minimum(page, limit),
+                         tl.where(offs_w == 2 * j + 1, tl.minimum(page + 1, limit), pages))
+        scores = tl.where((offs_w == 2 * j) | (offs_w == 2 * j + 1), carried, scores)
+        key = tl.where(offs_c == at, -1.0, key)
+    w_ok = offs_w < W
+    tl.store(pages_ptr + row * stride_pn + offs_w * stride_pw, pages, mask=w_ok)
+    tl.store(scores_ptr + row * stride_sn + offs_w * stride_sw, scores, mask=w_ok)
+
+
+def _check_carry_out(cand, mass, page, carry, pages_out, scores_out):
+    n, c = mass.shape
+    if tuple(cand.shape) != (n, c) or pages_out.shape != scores_out.shape or pages_out.shape[0] != n:
+        raise ValueError(f"carry_out: cand and mass [n, C], pages_out and scores_out [n, W]; got {tuple(cand.shape)}, "
+                         f"{tuple(mass.shape)}, {tuple(pages_out.shape)}, {tuple(scores_out.shape)}")
+    if not 0 < carry <= c or pages_out.shape[1] < 2 * carry or page.numel() not in (1, n):
+        raise ValueError(f"carry_out: carry {carry} of {c} candidates into {pages_out.shape[1]} places, page of "
+                         f"{page.numel()} entries (one, or one per row)")
+
+
+def _carry_out_launch(cand, mass, page, carry, score, pages_out, scores_out):
+    """`(args, constexprs)` of the `_carry_out_kernel` launch, one program a row."""
+    n, c = mass.shape
+    w = pages_out.shape[1]
+    args = dict(cand_ptr=cand, mass_ptr=mass, page_ptr=page, pages_ptr=pages_out, scores_ptr=scores_out, C=c, W=w,
+                score=float(score), **_strides("c", "nc", cand.stride()), **_strides("m", "nc", mass.stride()),
+                stride_page=int(page.stride(0)) if page.dim() and page.numel() > 1 else 0,
+                **_strides("p", "nw", pages_out.stride()), **_strides("s", "nw", scores_out.stride()))
+    constexprs = dict(CARRY=carry, BLOCK_C=triton.next_power_of_2(c), BLOCK_W=triton.next_power_of_2(w))
+    return args, constexprs
+
+
+@torch.library.custom_op("flexicache::carry_out", mutates_args=("pages_out", "scores_out"))
+def carry_out(cand: torch.Tensor, mass: torch.Tensor, page: torch.Tensor, carry: int, score: float,
+              pages_out: torch.Tensor, scores_out: torch.Tensor) -> None:
+    """A ranking's carried candidates in one launch (Triton); see `torch_backend.carry_out`."""
+    _check_carry_out(cand, mass, page, carry, pages_out, scores_out)
+    _check_device(cand, mass, page, pages_out, scores_out)
+    if mass.shape[0] == 0:
+        return
+    args, constexprs = _carry_out_launch(cand, mass, page, carry, score, pages_out, scores_out)
+    _carry_out_kernel[(mass.shape[0],)](**args, **constexprs)
+
+
+@carry_out.register_fake
+def _carry_out_fake(cand, mass, page, carry, score, pages_out, scores_out):
+    _check_carry_out(cand, mass, page, carry, pages_out, scores_out)
+
+
+__all__ = ["append_token", "attention", "carry_out", "page_scores"]

@@ -339,7 +339,8 @@ def _append(fn, inputs, position):
        dev["near_v"], dev["near_place"], dev["subpage_len"])
     n_s = inputs["win_shift"].shape[0] - 1
     out = {k: dev[k].cpu() for k in ("full_k", "full_v", "meta", "near_k", "near_v")}
-    out.update(win_k=dev["win_k"][:n_s].cpu(), win_v=dev["win_v"][:n_s].cpu(), length=int(length))  # extra row: never read
+    # (the windows' extra row, which padded writes land in, is never read)
+    out.update(win_k=dev["win_k"][:n_s].cpu(), win_v=dev["win_v"][:n_s].cpu(), length=int(length))
     return out
 
 
@@ -351,7 +352,8 @@ def test_append_token_matches_backend(triton_ops, dtype, near, position):
     """The one-launch decode token writes (full tier, window or near tier, the sub-page's MinMax entry from its tokens,
     the count) equal the backend's bit for bit; each of them changed something."""
     inputs = _append_inputs(dtype, near, seed=position)
-    got, want = _append(triton_ops.append_token, inputs, position), _append(torch_backend.append_token, inputs, position)
+    got = _append(triton_ops.append_token, inputs, position)
+    want = _append(torch_backend.append_token, inputs, position)
     for name, expected in want.items():
         assert (got[name] == expected) if name == "length" else torch.equal(got[name], expected), name
     assert want["length"] == position + 1
@@ -362,16 +364,17 @@ def test_append_token_matches_backend(triton_ops, dtype, near, position):
 
 
 @kernels_here
-def test_append_token_writes_what_a_decode_step_writes(triton_ops, monkeypatch):
+def test_one_launch_ops_write_what_a_decode_step_writes(triton_ops, monkeypatch):
     """On a real cache (stable, unstable and streaming rows, a layer without stable rows, near rows apart or not,
-    promotions and page openings) a decode step whose token writes go through the op leaves every state and logit of the PyTorch path, bit for bit."""
+    promotions and page openings) decode steps whose token writes and carried candidates go through the ops leave every
+    state and logit of the PyTorch path, bit for bit (the carried pages wherever something is carried)."""
     import fc_hf.decode as decode
     from conftest import left_padded_batch, tiny_model
 
     from fc_hf import FlexiCache, FlexiCacheConfig, HeadProfile
     from fc_hf.store import PageStore
 
-    class OneLaunchWrites:  # `decode.append` takes the op; every other kernel call is the PyTorch backend's
+    class OneLaunchWrites:  # the token writes and carried candidates take the ops; every other call is the PyTorch path
         def __getattr__(self, name):
             return getattr(dispatch, name)
 
@@ -379,8 +382,11 @@ def test_append_token_writes_what_a_decode_step_writes(triton_ops, monkeypatch):
         def backend_for(tensor, forced=None):
             return "triton"
 
-    launches, op = [], triton_ops.append_token
-    monkeypatch.setattr(triton_ops, "append_token", lambda *args: launches.append(1) or op(*args))
+    import fc_hf.selection as selection
+
+    launches, op, carry_op = [], triton_ops.append_token, triton_ops.carry_out
+    monkeypatch.setattr(triton_ops, "append_token", lambda *args: launches.append("append") or op(*args))
+    monkeypatch.setattr(triton_ops, "carry_out", lambda *args: launches.append("carry") or carry_op(*args))
     model = tiny_model("llama", layers=3, kv_heads=3, heads=6)
     ids, mask = left_padded_batch(2, 37, pad_lengths=[0, 6])
     forced = torch.randint(1, 97, (2, 24), generator=torch.Generator().manual_seed(2))
@@ -392,6 +398,7 @@ def test_append_token_writes_what_a_decode_step_writes(triton_ops, monkeypatch):
         for one_launch in (False, True):
             if one_launch:
                 monkeypatch.setattr(decode, "kernels", OneLaunchWrites())
+                monkeypatch.setattr(selection, "kernels", OneLaunchWrites())
             cfg = FlexiCacheConfig(streaming_heads=((0, 2),), streaming_sink_pages=1, page_size=4, token_budget=16,
                                    rerank_interval=3)
             cache = FlexiCache(model.config, cfg, HeadProfile.from_unstable(model.config, unstable))
@@ -404,6 +411,7 @@ def test_append_token_writes_what_a_decode_step_writes(triton_ops, monkeypatch):
                                        use_cache=True).logits[:, -1])
             runs[one_launch] = torch.stack(steps, 1), cache
             monkeypatch.setattr(decode, "kernels", dispatch)
+            monkeypatch.setattr(selection, "kernels", dispatch)
         assert torch.equal(runs[True][0], runs[False][0])
         for a, b in zip(runs[True][1].layers, runs[False][1].layers):
             assert a.store.near_apart is (split and a.store.rows.n_stable > 0)  # no stable row: no tier apart
@@ -412,14 +420,17 @@ def test_append_token_writes_what_a_decode_step_writes(triton_ops, monkeypatch):
             n_s = a.store.rows.n_stable
             assert torch.equal(a.store.win_k[:n_s], b.store.win_k[:n_s])
             assert torch.equal(a.store.win_v[:n_s], b.store.win_v[:n_s])
+            _same_carried((a.selector.carried_pages, a.selector.carried_scores),
+                          (b.selector.carried_pages, b.selector.carried_scores))
         assert runs[True][1].stats()["pages_promoted"] == runs[False][1].stats()["pages_promoted"] > 0
-    assert len(launches) == 2 * forced.shape[1] * 3  # one per layer and step, in both layouts
+    assert launches.count("append") == 2 * forced.shape[1] * 3  # one per layer and step, in both layouts
+    assert launches.count("carry") >= 2 * forced.shape[1]  # at least the rows that rank every step
 
 
 @kernels_here
-def test_append_token_op_checks_and_compiles(triton_ops):
-    """opcheck (schema, the declared mutations, fake tensors); a compiled function (`fullgraph=True`, aot_eager) that
-    calls it is one graph whose writes are eager's."""
+def test_writing_ops_check_and_compile(triton_ops):
+    """opcheck of the token writes and the carried candidates (schema, the declared mutations, fake tensors); a
+    compiled function (`fullgraph=True`, aot_eager) that writes a token is one graph whose writes are eager's."""
     inputs = _append_inputs(torch.float32, True, seed=3)
     args = [v.to(DEVICE) if isinstance(v, torch.Tensor) else v for v in inputs.values()]
     keys, values, full_k, full_v, meta, meta_row, win_k, win_v, win_shift, local, near_k, near_v, near_place, sub = args
@@ -428,6 +439,9 @@ def test_append_token_op_checks_and_compiles(triton_ops):
             near_v, near_place, sub)
     torch.library.opcheck(torch.ops.flexicache.append_token.default, tuple(
         t.clone() if isinstance(t, torch.Tensor) else t for t in call))
+    cand, mass, page = (t.to(DEVICE) for t in _carry_inputs(3, 16, seed=4, per_row_page=True))
+    carried = (torch.zeros(3, 6, dtype=torch.long, device=DEVICE), torch.zeros(3, 6, device=DEVICE))
+    torch.library.opcheck(torch.ops.flexicache.carry_out.default, (cand, mass, page, 3, 2.5) + carried)
 
     def step(*a):
         dispatch.append_token(*a, backend="triton")
@@ -447,6 +461,64 @@ def test_append_token_op_checks_and_compiles(triton_ops):
     for got, want in zip(compiled_state, eager_state):
         if isinstance(got, torch.Tensor):
             assert torch.equal(got, want)
+
+
+# --------------------------------------------------------------------------------------------------
+# A ranking's carried candidates
+# --------------------------------------------------------------------------------------------------
+
+def _carry_inputs(n, c, seed, per_row_page):
+    """`(cand [n, C], mass [n, C], page)`: masses with no two equal positive ones, and in row 0 NaN, +-inf and zeros (so
+    fewer than `carry` positive ones there); candidates in page order, some at the page being filled."""
+    gen = torch.Generator().manual_seed(seed)
+    mass = torch.rand(n, c, generator=gen) * (torch.rand(n, c, generator=gen) > 0.3)
+    mass[0, : min(c, 4)] = torch.tensor([float("nan"), float("inf"), float("-inf"), 0.0])[: min(c, 4)]
+    mass[0, 4:] = 0.0
+    mass[0, -1] = 0.5
+    cand = torch.sort(torch.randperm(4 * c, generator=gen)[:c].expand(n, -1) + torch.arange(n)[:, None], dim=1).values
+    page = cand[:, -1] - torch.randint(0, 2, (n,), generator=gen) if per_row_page else cand[0, c // 2].clone()
+    return cand, mass, page
+
+
+def _carried(fn, cand, mass, page, carry, width):
+    pages, scores = torch.full((cand.shape[0], width), -7, dtype=torch.long), torch.full((cand.shape[0], width), 3.0)
+    dev = [t.to(DEVICE) for t in (cand, mass, page, pages, scores)]
+    fn(*dev[:3], carry, 123.0, *dev[3:])
+    return dev[3].cpu(), dev[4].cpu()
+
+
+def _same_carried(got, want):
+    """The scores exactly, the pages wherever something is carried (a finite score): a page scored -inf carries nothing
+    (of masses equal at 0 the backends may pick different candidates)."""
+    assert torch.equal(got[1], want[1])
+    finite = torch.isfinite(want[1])
+    assert torch.equal(got[0][finite], want[0][finite]) and torch.equal(got[0][~finite] * 0, want[0][~finite] * 0)
+
+
+@kernels_here
+@pytest.mark.parametrize("n, c, carry, width", [(5, 16, 2, 4), (3, 128, 8, 16), (4, 9, 3, 8), (2, 6, 6, 12)])
+@pytest.mark.parametrize("per_row_page", [False, True], ids=["one-page", "page-per-row"])
+def test_carry_out_matches_backend_and_selector(triton_ops, n, c, carry, width, per_row_page):
+    """The one-launch carried candidates equal the backend's reference and the selector's own PyTorch path (the pages
+    of most mass, each with the next page up to the page being filled, in order of mass; nothing past `2 carry`)."""
+    from fc_hf.config import FlexiCacheConfig
+    from fc_hf.selection import CARRIED_SCORE, PageSelector
+
+    cand, mass, page = _carry_inputs(n, c, seed=c + carry, per_row_page=per_row_page)
+    got = _carried(triton_ops.carry_out, cand, mass, page, carry, width)
+    _same_carried(got, _carried(torch_backend.carry_out, cand, mass, page, carry, width))
+    assert torch.isneginf(got[1][0, 2:]).all() and torch.isneginf(got[1][:, 2 * carry :]).all()
+    assert (got[1][1:, : 2 * carry] == 123.0).any()
+    k = max(1, -(-c // 2))
+    selector = PageSelector(FlexiCacheConfig(page_size=4, token_budget=4 * k, refine_pages=c, carry_pages=carry), n,
+                            "cpu")
+    assert selector.carried_pages.shape[1] == width or width != 2 * carry
+    pages, scores = selector._carry_out(cand, mass, page)
+    want = (pages, torch.where(scores == CARRIED_SCORE, 123.0, scores))
+    if width == 2 * carry:
+        _same_carried(got, want)
+    else:  # the selector's state is 2 carry wide
+        _same_carried(tuple(x[:, : 2 * carry] for x in got), want)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -640,14 +712,18 @@ for dt in (torch.bfloat16, torch.float32):
         for kernel, _, a, c, o in ops._attention_launches(q, k, v, bias, 0.1, cap, torch.empty(16, 4, 128, dtype=dt),
                                                           target=264):
             build(kernel, a, c, o, f"{kernel.__name__} {bits} softcap={cap}")
+    long = lambda *shape: torch.zeros(*shape, dtype=torch.long)
     for near in (True, False):
-        long = lambda *shape: torch.zeros(*shape, dtype=torch.long)
+        tier, win = torch.empty(16, 2048, 128, dtype=dt), torch.empty(13, 2048, 128, dtype=dt)
         near_k = torch.empty(4, 2048, 128, dtype=dt) if near else None
-        a, c = ops._append_token_launch(torch.empty(16, 128, dtype=dt), torch.empty(16, 128, dtype=dt), long(()), long(()),
-                                        torch.empty(16, 2048, 128, dtype=dt), torch.empty(16, 2048, 128, dtype=dt),
-                                        torch.empty(16, 256, 1024, dtype=dt), long(16), torch.empty(13, 2048, 128, dtype=dt),
-                                        torch.empty(13, 2048, 128, dtype=dt), long(13), long(16), near_k, near_k, long(16), 2)
+        a, c = ops._append_token_launch(torch.empty(16, 128, dtype=dt), torch.empty(16, 128, dtype=dt), long(()),
+                                        long(()), tier, tier, torch.empty(16, 256, 1024, dtype=dt), long(16), win, win,
+                                        long(13), long(16), near_k, near_k, long(16), 2)
         build(ops._append_token_kernel, a, c, {}, f"append_token {bits} near={near}")
+    if dt == torch.float32:
+        a, c = ops._carry_out_launch(torch.zeros(16, 128, dtype=torch.long), torch.empty(16, 128), long(16), 8, 3.0e38,
+                                     torch.zeros(16, 16, dtype=torch.long), torch.empty(16, 16))
+        build(ops._carry_out_kernel, a, c, {}, "carry_out")
 print("built")
 """
 
