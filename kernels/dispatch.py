@@ -2,11 +2,12 @@
 
 `backend_for` picks per call: "triton" for CUDA tensors where Triton imports, else "torch"; `FLEXICACHE_BACKEND=
 torch|triton` (or `FlexiCacheConfig.backend`, passed here as `backend=`) forces either. On the Triton backend
-`page_scores`, `attention`, a decode token's writes (`append_token`) and a ranking's carried candidates (`carry_out`)
-run Triton kernels registered as `torch.library` custom ops (`flexicache::page_scores`, `flexicache::attention`,
-`flexicache::append_token`, `flexicache::carry_out`, in `triton_ops.py`, imported only on first use so Triton stays
-optional), each one node of a compiled step. The other primitives (`candidate_mass` and its parts,
-`attention_from_logits`, `gather_pages`, `subpage_minmax`) are the PyTorch backend (`torch_backend.py`) on both.
+`page_scores`, `attention`, a decode token's writes (`append_token`), refinement's ranking key (`page_mass`) and a
+ranking's carried candidates (`carry_out`) run Triton kernels registered as `torch.library` custom ops
+(`flexicache::page_scores`, `flexicache::attention`, `flexicache::append_token`, `flexicache::page_mass`,
+`flexicache::carry_out`, in `triton_ops.py`, imported only on first use so Triton stays optional), each one node of a
+compiled step. The other primitives (`candidate_logits`, `attention_from_logits`, `gather_pages`, `subpage_minmax`) are
+the PyTorch backend (`torch_backend.py`) on both.
 """
 
 from __future__ import annotations
@@ -55,7 +56,11 @@ def page_scores(query, meta, bias, subpages, backend=None):
 
 
 def candidate_mass(query, keys, bias, scores, scaling, page_size, backend=None):
-    """See `torch_backend.candidate_mass`."""
+    """See `torch_backend.candidate_mass`; on the Triton backend its `page_mass` is the op."""
+    if backend_for(query, backend) == "triton":
+        n, g = query.shape[:2]
+        logits = torch_backend.candidate_logits(query, keys, bias, scaling, page_size).view(n, g, -1, page_size)
+        return _triton_ops().page_mass(logits, scores), logits
     return torch_backend.candidate_mass(query, keys, bias, scores, scaling, page_size)
 
 
@@ -64,6 +69,9 @@ def candidate_logits(query, keys, bias, scaling, page_size, backend=None):
 
 
 def page_mass(logits, scores, backend=None):
+    """See `torch_backend.page_mass`; on the Triton backend the `flexicache::page_mass` op (one launch)."""
+    if backend_for(logits, backend) == "triton":
+        return _triton_ops().page_mass(logits, scores)
     return torch_backend.page_mass(logits, scores)
 
 

@@ -1,7 +1,7 @@
 """Triton kernels of the decode step, registered as `torch.library` custom ops.
 
-Each op (`flexicache::page_scores`, `flexicache::attention`, `flexicache::append_token`, `flexicache::carry_out`) has
-the contract of the `torch_backend` function of the same name (read its docstring for the shapes) and a fake
+Each op (`flexicache::page_scores`, `flexicache::attention`, `flexicache::append_token`, `flexicache::carry_out`,
+`flexicache::page_mass`) has the contract of the `torch_backend` function of the same name (read its docstring for the shapes) and a fake
 implementation (`register_fake`: output shape and dtype only, or nothing for the ops that only write), so
 `torch.compile(fullgraph=True)` keeps a call as one opaque node of the graph and never traces into Triton.
 `dispatch.py` routes to them where `backend_for` answers "triton"; nothing else imports this module, so Triton stays an
@@ -28,6 +28,9 @@ Numerics, as the PyTorch backend:
 - `carry_out`: the backend's numbers exactly (a choice among candidates, a page index, a constant score); of equal
   masses the first candidate is carried, where `torch.topk` does not say which (the pages scored -inf, which carry
   nothing, may then differ).
+- `page_mass`: the softmax over a row's candidate tokens per query head, in fp32 (online over blocks of pages, then the
+  pages' sums over the heads): to fp32 rounding of the backend's (a summation order of its own), NaN where a head has
+  no finite logit, the score itself where it is infinite.
 """
 
 import functools
@@ -606,4 +609,95 @@ def _carry_out_fake(cand, mass, page, carry, score, pages_out, scores_out):
     _check_carry_out(cand, mass, page, carry, pages_out, scores_out)
 
 
-__all__ = ["append_token", "attention", "carry_out", "page_scores"]
+# --------------------------------------------------------------------------------------------------
+# Refinement's ranking key
+# --------------------------------------------------------------------------------------------------
+
+@triton.jit
+def _page_mass_kernel(
+    logits_ptr, scores_ptr, out_ptr,
+    G, C,
+    stride_ln, stride_lg, stride_lc, stride_lp, stride_sn, stride_sc, stride_on, stride_oc,
+    P: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    """One program: one row. First each head's softmax max and sum over all its candidates' tokens (online, BLOCK_C
+    pages at a time), then per block of pages the mass of each page summed over the heads, over G, or the score where
+    that is infinite. A head whose every token is -inf gives NaN, as `torch.softmax` does."""
+    row = tl.program_id(0).to(tl.int64)
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_c = tl.arange(0, BLOCK_C)
+    offs_p = tl.arange(0, P)
+    base = logits_ptr + row * stride_ln
+    peak = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+    total = tl.zeros([BLOCK_G], dtype=tl.float32)
+    for g in range(0, G):
+        m = float("-inf")
+        z = 0.0
+        for start in range(0, C, BLOCK_C):
+            c_ok = start + offs_c < C
+            x = tl.load(base + g * stride_lg + (start + offs_c)[:, None] * stride_lc + offs_p[None, :] * stride_lp,
+                        mask=c_ok[:, None], other=float("-inf")).to(tl.float32)
+            m_new = tl.maximum(m, tl.max(tl.max(x, axis=1), axis=0))
+            live = m_new != float("-inf")  # until a finite logit, nothing to rescale or add
+            added = tl.sum(tl.sum(tl.exp(x - m_new), axis=1), axis=0)
+            z = tl.where(live, z * tl.exp(m - m_new) + added, 0.0)
+            m = m_new
+        peak = tl.where(offs_g == g, m, peak)
+        total = tl.where(offs_g == g, z, total)
+    for start in range(0, C, BLOCK_C):
+        c_ok = start + offs_c < C
+        mass = tl.zeros([BLOCK_C], dtype=tl.float32)
+        for g in range(0, G):
+            m = tl.sum(tl.where(offs_g == g, peak, 0.0), axis=0)
+            z = tl.sum(tl.where(offs_g == g, total, 0.0), axis=0)
+            x = tl.load(base + g * stride_lg + (start + offs_c)[:, None] * stride_lc + offs_p[None, :] * stride_lp,
+                        mask=c_ok[:, None], other=float("-inf")).to(tl.float32)
+            mass += tl.sum(tl.exp(x - m), axis=1) / z
+        mass = mass / G
+        score = tl.load(scores_ptr + row * stride_sn + (start + offs_c) * stride_sc, mask=c_ok, other=0.0)
+        mass = tl.where(tl.abs(score) == float("inf"), score, mass)
+        tl.store(out_ptr + row * stride_on + (start + offs_c) * stride_oc, mass, mask=c_ok)
+
+
+def _check_page_mass(logits, scores):
+    if logits.dim() != 4 or tuple(scores.shape) != (logits.shape[0], logits.shape[2]):
+        raise ValueError(f"page_mass: logits [n, G, C, P], scores [n, C]; got {tuple(logits.shape)}, "
+                         f"{tuple(scores.shape)}")
+    if logits.shape[3] & (logits.shape[3] - 1):
+        raise ValueError(f"page_mass: the Triton kernel takes pages of a power-of-two size, got {logits.shape[3]}")
+
+
+def _page_mass_launch(logits, scores, out):
+    """`(args, constexprs)` of the `_page_mass_kernel` launch, one program a row, about 1024 tokens a block."""
+    n, g, c, p = logits.shape
+    args = dict(logits_ptr=logits, scores_ptr=scores, out_ptr=out, G=g, C=c,
+                **_strides("l", "ngcp", logits.stride()), **_strides("s", "nc", scores.stride()),
+                **_strides("o", "nc", out.stride()))
+    constexprs = dict(P=p, BLOCK_G=triton.next_power_of_2(g),
+                      BLOCK_C=max(1, min(triton.next_power_of_2(c), 1024 // p)))
+    return args, constexprs
+
+
+@torch.library.custom_op("flexicache::page_mass", mutates_args=())
+def page_mass(logits: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+    """Refinement's ranking key from its logits (Triton); see `torch_backend.page_mass`. `[n, G, C, P]`, `[n, C]` ->
+    `[n, C]` fp32."""
+    _check_page_mass(logits, scores)
+    _check_device(logits, scores)
+    out = torch.empty(scores.shape, device=scores.device, dtype=torch.float32)
+    if out.numel() == 0:
+        return out
+    args, constexprs = _page_mass_launch(logits, scores, out)
+    _page_mass_kernel[(logits.shape[0],)](**args, **constexprs)
+    return out
+
+
+@page_mass.register_fake
+def _page_mass_fake(logits, scores):
+    _check_page_mass(logits, scores)
+    return scores.new_empty(scores.shape, dtype=torch.float32)
+
+
+__all__ = ["append_token", "attention", "carry_out", "page_mass", "page_scores"]

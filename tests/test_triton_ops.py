@@ -429,8 +429,9 @@ def test_one_launch_ops_write_what_a_decode_step_writes(triton_ops, monkeypatch)
 
 @kernels_here
 def test_writing_ops_check_and_compile(triton_ops):
-    """opcheck of the token writes and the carried candidates (schema, the declared mutations, fake tensors); a
-    compiled function (`fullgraph=True`, aot_eager) that writes a token is one graph whose writes are eager's."""
+    """opcheck of the token writes, the carried candidates and the pages' mass (schema, the declared mutations, fake
+    tensors); a compiled function (`fullgraph=True`, aot_eager) that writes a token is one graph whose writes are
+    eager's."""
     inputs = _append_inputs(torch.float32, True, seed=3)
     args = [v.to(DEVICE) if isinstance(v, torch.Tensor) else v for v in inputs.values()]
     keys, values, full_k, full_v, meta, meta_row, win_k, win_v, win_shift, local, near_k, near_v, near_place, sub = args
@@ -442,6 +443,8 @@ def test_writing_ops_check_and_compile(triton_ops):
     cand, mass, page = (t.to(DEVICE) for t in _carry_inputs(3, 16, seed=4, per_row_page=True))
     carried = (torch.zeros(3, 6, dtype=torch.long, device=DEVICE), torch.zeros(3, 6, device=DEVICE))
     torch.library.opcheck(torch.ops.flexicache.carry_out.default, (cand, mass, page, 3, 2.5) + carried)
+    logits = torch.randn(3, 2, 16, 4, device=DEVICE)
+    torch.library.opcheck(torch.ops.flexicache.page_mass.default, (logits, mass))
 
     def step(*a):
         dispatch.append_token(*a, backend="triton")
@@ -461,6 +464,35 @@ def test_writing_ops_check_and_compile(triton_ops):
     for got, want in zip(compiled_state, eager_state):
         if isinstance(got, torch.Tensor):
             assert torch.equal(got, want)
+
+
+# --------------------------------------------------------------------------------------------------
+# Refinement's ranking key
+# --------------------------------------------------------------------------------------------------
+
+@kernels_here
+@pytest.mark.parametrize("n, g, c, p", [(3, 3, 16, 16), (2, 1, 70, 16), (4, 8, 33, 4), (2, 4, 300, 8), (1, 2, 5, 1)])
+def test_page_mass_matches_backend_and_fp64(triton_ops, n, g, c, p):
+    """Refinement's key from the candidates' logits: the backend's to fp32 rounding and the fp64 formula's; infinite
+    scores kept exactly; a head of no finite logit NaN as the backend's (row 0); more pages than one block (C = 300)."""
+    gen = torch.Generator().manual_seed(n * g + c)
+    logits = torch.randn(n, g, c, p, generator=gen) * 4
+    logits = logits.masked_fill(torch.rand(n, g, c, p, generator=gen) < 0.2, float("-inf"))
+    logits[:, :, : max(1, c // 3)] = float("-inf")  # whole pages never attendable, the first block's included
+    if n > 1:
+        logits[0, 0] = float("-inf")
+    scores = torch.randn(n, c, generator=gen)
+    scores[:, -1], scores[-1, 0] = float("inf"), float("-inf")
+    got = triton_ops.page_mass(logits.to(DEVICE), scores.to(DEVICE)).cpu()
+    want = torch_backend.page_mass(logits, scores)
+    exact = torch.where(torch.isinf(scores), scores.double(),
+                        torch.softmax(logits.double().view(n, g, c * p), -1).view(n, g, c, p).sum(-1).mean(1))
+    assert got.shape == (n, c) and got.dtype == torch.float32
+    assert torch.equal(torch.isnan(got), torch.isnan(want)) and (n == 1 or torch.isnan(got[0, :-1]).all())
+    assert torch.equal(got[torch.isinf(scores)], scores[torch.isinf(scores)])
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, equal_nan=True)
+    torch.testing.assert_close(got.double(), exact, rtol=1e-5, atol=1e-6, equal_nan=True)
+    _record("page_mass, Triton vs backend", torch.float32, (got - want).nan_to_num().abs().max().item())
 
 
 # --------------------------------------------------------------------------------------------------
@@ -724,6 +756,8 @@ for dt in (torch.bfloat16, torch.float32):
         a, c = ops._carry_out_launch(torch.zeros(16, 128, dtype=torch.long), torch.empty(16, 128), long(16), 8, 3.0e38,
                                      torch.zeros(16, 16, dtype=torch.long), torch.empty(16, 16))
         build(ops._carry_out_kernel, a, c, {}, "carry_out")
+        a, c = ops._page_mass_launch(torch.empty(16, 4, 128, 16), torch.empty(16, 128), torch.empty(16, 128))
+        build(ops._page_mass_kernel, a, c, {}, "page_mass")
 print("built")
 """
 
