@@ -4,7 +4,8 @@ Planned on the device in fixed shapes (a padded place is a row that writes into 
 step with a ranking is the same launches as any other. A window's positions `[0, K - 1)` take the ranking's pages other
 than the page being filled, position `K - 1` the page being filled, and the later positions the pages it will open
 before its next ranking. Pages newly resident are counted (`promoted`); on a CPU every page is copied from the host
-tier (host memory is the device's own).
+tier (host memory is the device's own). On the Triton backend a move is one launch (`flexicache::move_windows`, the
+same writes).
 
 `plan_windows` (what a ranking makes of a window), `newly_resident` (what it promotes), `window_pages_of` (a
 window's tokens read from the full tier) and `install_windows` (a window made a row's) are shared with a verification
@@ -64,6 +65,11 @@ def move_windows(store, local: torch.Tensor, rows: torch.Tensor, pages: torch.Te
     pages not resident before to `promoted` (a device counter). `span`: `local` is the stable rows `[start, end)`,
     known on the host (an eager step)."""
     k, p = store.cfg.pages_per_head, store.page_size
+    if kernels.backend_for(pages, store.cfg.backend) == "triton":  # all of the below in one launch
+        kernels.move_windows(pages, page, local, rows, store.full_k, store.full_v, store.win_k, store.win_v,
+                             store.win_pages, store.win_shift, store.win_base, store.win_bias_rows,
+                             store.rows.stable_batch, promoted, store.pages, k, store.host_tier, backend="triton")
+        return
     window, source, present = plan_windows(store, pages, page)
     if store.host_tier:  # without a host tier (offload off) a window is filled from device memory: no promotion
         fresh = newly_resident(window, store.win_pages.index_select(0, local), present)

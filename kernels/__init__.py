@@ -5,7 +5,7 @@ Installed as `fc_hf.kernels` (the repository folder is `kernels/`; see pyproject
 | module | what it owns |
 |---|---|
 | `dispatch.py` | the decode step's primitives as the core calls them: the PyTorch backend, or a Triton kernel where one serves (`FLEXICACHE_BACKEND=torch|triton` forces either) |
-| `triton_ops.py` | the Triton kernels of `page_scores`, `attention`, a decode token's writes, refinement's ranking key and a ranking's carried candidates, registered as `torch.library` custom ops (`flexicache::page_scores`, `flexicache::attention`, `flexicache::append_token`, `flexicache::page_mass`, `flexicache::carry_out`) with fake implementations; imported by `dispatch.py` on first use only (Triton is optional) |
+| `triton_ops.py` | the Triton kernels of `page_scores`, `attention`, a decode token's writes, refinement's ranking key, a ranking's carried candidates and a re-rank's window moves, registered as `torch.library` custom ops (`flexicache::page_scores`, `flexicache::attention`, `flexicache::append_token`, `flexicache::page_mass`, `flexicache::carry_out`, `flexicache::move_windows`) with fake implementations; imported by `dispatch.py` on first use only (Triton is optional) |
 | `torch_backend.py` | the PyTorch implementation: the CPU production path and the reference the Triton kernels are tested against |
 | `bruteforce.py` | literal-formula oracles for tests only (never called in production) |
 

@@ -2,12 +2,12 @@
 
 `backend_for` picks per call: "triton" for CUDA tensors where Triton imports, else "torch"; `FLEXICACHE_BACKEND=
 torch|triton` (or `FlexiCacheConfig.backend`, passed here as `backend=`) forces either. On the Triton backend
-`page_scores`, `attention`, a decode token's writes (`append_token`), refinement's ranking key (`page_mass`) and a
-ranking's carried candidates (`carry_out`) run Triton kernels registered as `torch.library` custom ops
-(`flexicache::page_scores`, `flexicache::attention`, `flexicache::append_token`, `flexicache::page_mass`,
-`flexicache::carry_out`, in `triton_ops.py`, imported only on first use so Triton stays optional), each one node of a
-compiled step. The other primitives (`candidate_logits`, `attention_from_logits`, `gather_pages`, `subpage_minmax`) are
-the PyTorch backend (`torch_backend.py`) on both.
+`page_scores`, `attention`, a decode token's writes (`append_token`), refinement's ranking key (`page_mass`), a
+ranking's carried candidates (`carry_out`) and a re-rank's window moves (`move_windows`) run Triton kernels registered
+as `torch.library` custom ops (`flexicache::page_scores`, `flexicache::attention`, `flexicache::append_token`,
+`flexicache::page_mass`, `flexicache::carry_out`, `flexicache::move_windows`, in `triton_ops.py`, imported only on first
+use so Triton stays optional), each one node of a compiled step. The other primitives (`candidate_logits`,
+`attention_from_logits`, `gather_pages`, `subpage_minmax`) are the PyTorch backend (`torch_backend.py`) on both.
 """
 
 from __future__ import annotations
@@ -105,6 +105,16 @@ def carry_out(cand, mass, page, carry, score, pages_out, scores_out, backend=Non
     if backend_for(mass, backend) == "triton":
         return _triton_ops().carry_out(cand, mass, page, carry, score, pages_out, scores_out)
     return torch_backend.carry_out(cand, mass, page, carry, score, pages_out, scores_out)
+
+
+def move_windows(pages, page, local, rows, full_k, full_v, win_k, win_v, win_pages, win_shift, win_base, win_bias_rows,
+                 stable_batch, promoted, num_pages, k, count, backend=None):
+    """See `torch_backend.move_windows`; on the Triton backend the `flexicache::move_windows` op (one launch)."""
+    args = (pages, page, local, rows, full_k, full_v, win_k, win_v, win_pages, win_shift, win_base, win_bias_rows,
+            stable_batch, promoted, num_pages, k, count)
+    if backend_for(pages, backend) == "triton":
+        return _triton_ops().move_windows(*args)
+    return torch_backend.move_windows(*args)
 
 
 def subpage_minmax(keys, sub, backend=None):

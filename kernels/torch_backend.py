@@ -241,3 +241,43 @@ def carry_out(cand: torch.Tensor, mass: torch.Tensor, page: torch.Tensor, carry:
     scores_out.fill_(NEG_INF)
     pages_out[:, : 2 * carry] = torch.minimum(torch.stack([best, best + 1], dim=-1).flatten(1), limit)
     scores_out[:, : 2 * carry] = torch.where(top.values > 0, score, NEG_INF).repeat_interleave(2, dim=1)
+
+
+def move_windows(pages: torch.Tensor, page: torch.Tensor, local: torch.Tensor, rows: torch.Tensor,
+                 full_k: torch.Tensor, full_v: torch.Tensor, win_k: torch.Tensor, win_v: torch.Tensor,
+                 win_pages: torch.Tensor, win_shift: torch.Tensor, win_base: torch.Tensor, win_bias_rows: torch.Tensor,
+                 stable_batch: torch.Tensor, promoted: torch.Tensor, num_pages: int, k: int, count: bool) -> None:
+    """A re-rank's window moves, the contract of the Triton backend's one-launch `flexicache::move_windows` (the
+    decode step's PyTorch path is `fc_hf/tiers.py:move_windows`, in fewer copies).
+
+    Stable rows `local [n]` (`N_S`, the stable tensors' extra row, for a padded place), whose rows are `rows [n]`, take
+    the pages `pages [n, <= K]` a ranking chose, the page being filled `page` (a scalar or `[n]`) among them:
+    - the window `win_pages[local] [W]`: the pages in page order, the page being filled at position K - 1, a page past
+      it (not there yet) none (-1), then at positions K, K + 1, ... the pages it will open;
+    - its first K pages' tokens `win_k/win_v[local, : K * P]` from the full tier `full_k/full_v [rows, C, *]` (a
+      position without a page reads page 0: its tokens are masked);
+    - `win_shift[local] = win_base[local] + (K - 1 - page) * P`; `win_bias_rows[local]`: each window page's row in the
+      token bias, `seq * (pages + 1) + page`, no page or one past the capacity the null page `pages`;
+    - `count`: `promoted += ` the present pages the old window did not hold, over the real stable rows.
+    """
+    n, w, p = pages.shape[0], win_pages.shape[1], full_k.shape[1] // num_pages
+    at = page.view(-1, 1) if page.dim() else page
+    if pages.shape[1] < k:
+        filler = torch.arange(num_pages, num_pages + k - pages.shape[1], device=pages.device)
+        pages = torch.cat([pages, filler.expand(n, -1)], dim=1)
+    pages = pages.sort(dim=1).values
+    pages = torch.where(pages == at, pages[:, k - 1 :], pages)
+    pages[:, k - 1] = page
+    present = pages <= at
+    later = (at + torch.arange(1, w - k + 1, device=pages.device)).expand(n, -1)
+    window = torch.cat([torch.where(present, pages, -1), later], dim=1)
+    if count:
+        held = (window[:, :k, None] == win_pages[local][:, None, :]).any(-1)
+        promoted += (present & ~held & (local < win_pages.shape[0] - 1)[:, None]).sum()
+    tokens = ((pages * present)[:, :, None] * p + torch.arange(p, device=pages.device)).view(n, -1)
+    win_k[local, : k * p] = full_k[rows[:, None], tokens]
+    win_v[local, : k * p] = full_v[rows[:, None], tokens]
+    win_pages[local] = window
+    win_shift[local] = win_base[local] + (k - 1 - page) * p
+    seq = stable_batch[local][:, None]
+    win_bias_rows[local] = seq * (num_pages + 1) + window.clamp(-1, num_pages).remainder(num_pages + 1)

@@ -1,9 +1,10 @@
 """Triton kernels of the decode step, registered as `torch.library` custom ops.
 
 Each op (`flexicache::page_scores`, `flexicache::attention`, `flexicache::append_token`, `flexicache::carry_out`,
-`flexicache::page_mass`) has the contract of the `torch_backend` function of the same name (read its docstring for the shapes) and a fake
-implementation (`register_fake`: output shape and dtype only, or nothing for the ops that only write), so
-`torch.compile(fullgraph=True)` keeps a call as one opaque node of the graph and never traces into Triton.
+`flexicache::page_mass`, `flexicache::move_windows`) has the contract of the `torch_backend` function of the same name
+(read its docstring for the shapes) and a fake implementation (`register_fake`: output shape and dtype only, or nothing
+for the ops that only write), so `torch.compile(fullgraph=True)` keeps a call as one opaque node of the graph and never
+traces into Triton.
 `dispatch.py` routes to them where `backend_for` answers "triton"; nothing else imports this module, so Triton stays an
 optional dependency (this module imports it at the top).
 
@@ -31,6 +32,8 @@ Numerics, as the PyTorch backend:
 - `page_mass`: the softmax over a row's candidate tokens per query head, in fp32 (online over blocks of pages, then the
   pages' sums over the heads): to fp32 rounding of the backend's (a summation order of its own), NaN where a head has
   no finite logit, the score itself where it is infinite.
+- `move_windows`: a sort, copies and index arithmetic, so the backend's writes bit for bit (the stable tensors' extra
+  row, which padded places write, aside: several places may write it at once, and nothing reads it).
 """
 
 import functools
@@ -462,7 +465,8 @@ def _append_token_kernel(
     t_ok = tl.arange(0, BLOCK_SUB) < SUB
     tokens = tl.load(fk_ptr + row * stride_fkn + offs_t[:, None] * stride_fkt + offs_d[None, :] * stride_fkd,
                      mask=t_ok[:, None] & d_ok[None, :], other=0.0)
-    tokens = tl.where((offs_t == pos)[:, None], key[None, :], tokens)
+    # In fp32 (exact for a max or min of 16-bit values; Triton 3.6's interpreter has no 16-bit constants).
+    tokens = tl.where((offs_t == pos)[:, None], key.to(tl.float32)[None, :], tokens.to(tl.float32))
     high = tl.max(tl.where(t_ok[:, None], tokens, float("-inf")), axis=0)
     low = tl.min(tl.where(t_ok[:, None], tokens, float("inf")), axis=0)
     entry = meta_ptr + tl.load(meta_row_ptr + row) * stride_mn + sub * stride_me
@@ -700,4 +704,140 @@ def _page_mass_fake(logits, scores):
     return scores.new_empty(scores.shape, dtype=torch.float32)
 
 
-__all__ = ["append_token", "attention", "carry_out", "page_mass", "page_scores"]
+# --------------------------------------------------------------------------------------------------
+# A re-rank's window moves
+# --------------------------------------------------------------------------------------------------
+
+@triton.jit
+def _move_windows_kernel(
+    pages_ptr, page_ptr, local_ptr, rows_ptr, fk_ptr, fv_ptr, wk_ptr, wv_ptr, wpages_ptr, wshift_ptr, wbase_ptr,
+    wbias_ptr, sbatch_ptr, promoted_ptr,
+    KR, PAGES, N_S, D, DV,
+    stride_pn, stride_pk, stride_page,
+    stride_fkr, stride_fkt, stride_fkd, stride_fvr, stride_fvt, stride_fvd,
+    stride_wkn, stride_wkt, stride_wkd, stride_wvn, stride_wvt, stride_wvd,
+    stride_wpn, stride_wpw, stride_wbn, stride_wbw,
+    K: tl.constexpr,
+    W: tl.constexpr,
+    P: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_W: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    COUNT: tl.constexpr,
+):
+    """One program: one ranked row's new window (`fc_hf/tiers.py`: `plan_windows`, `newly_resident`, the copy of its
+    first K pages from the full tier and `install_windows`). The ranking's pages in page order, the page being filled
+    at position K - 1, a page that does not exist yet none (-1), the pages it will open after; pages not held before
+    counted into `promoted` (COUNT) for a real stable row (`local < N_S`)."""
+    i = tl.program_id(0).to(tl.int64)
+    at = tl.load(page_ptr + i * stride_page)
+    local = tl.load(local_ptr + i)
+    row = tl.load(rows_ptr + i)
+    offs_k = tl.arange(0, BLOCK_K)
+    ranked = tl.load(pages_ptr + i * stride_pn + offs_k * stride_pk, mask=offs_k < KR, other=0)
+    ranked = tl.where(offs_k < KR, ranked, PAGES + offs_k - KR)  # fewer pages than K: pages past the capacity
+    ranked = tl.where(offs_k < K, ranked, 2 * PAGES + BLOCK_K)  # the padded places sort last
+    pages = tl.sort(ranked)
+    last = tl.sum(tl.where(offs_k == K - 1, pages, 0), axis=0)
+    pages = tl.where(pages == at, last, pages)
+    pages = tl.where(offs_k == K - 1, at, pages)
+    k_ok = offs_k < K
+    present = (pages <= at) & k_ok
+    first = tl.where(present, pages, -1)
+
+    offs_w = tl.arange(0, BLOCK_W)
+    if COUNT:
+        old = tl.load(wpages_ptr + local * stride_wpn + offs_w * stride_wpw, mask=offs_w < W, other=-2)
+        held = tl.max((first[:, None] == old[None, :]).to(tl.int32), axis=1) > 0
+        fresh = tl.sum((present & (held == 0)).to(tl.int64), axis=0)
+        if local < N_S:
+            tl.atomic_add(promoted_ptr, fresh)
+    tl.debug_barrier()  # the old window read before it is written
+
+    offs_t = tl.arange(0, P)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    source = tl.where(present, pages, 0)
+    for j in range(0, K):
+        src = tl.sum(tl.where(offs_k == j, source, 0), axis=0)
+        tokens = src * P + offs_t
+        keys = tl.load(fk_ptr + row * stride_fkr + tokens[:, None] * stride_fkt + offs_d[None, :] * stride_fkd,
+                       mask=offs_d[None, :] < D)
+        tl.store(wk_ptr + local * stride_wkn + (j * P + offs_t)[:, None] * stride_wkt + offs_d[None, :] * stride_wkd,
+                 keys, mask=offs_d[None, :] < D)
+        values = tl.load(fv_ptr + row * stride_fvr + tokens[:, None] * stride_fvt + offs_dv[None, :] * stride_fvd,
+                         mask=offs_dv[None, :] < DV)
+        tl.store(wv_ptr + local * stride_wvn + (j * P + offs_t)[:, None] * stride_wvt + offs_dv[None, :] * stride_wvd,
+                 values, mask=offs_dv[None, :] < DV)
+
+    later = at + offs_w - K + 1  # positions K, K + 1, ...: the pages it will open
+    seq = tl.load(sbatch_ptr + local)
+    tl.store(wpages_ptr + local * stride_wpn + offs_k * stride_wpw, first, mask=k_ok)
+    tl.store(wpages_ptr + local * stride_wpn + offs_w * stride_wpw, later, mask=(offs_w >= K) & (offs_w < W))
+    null = PAGES  # no page, or one past the capacity: the token bias's null page
+    first_row = seq * (PAGES + 1) + tl.where((first < 0) | (first >= PAGES), null, first)
+    later_row = seq * (PAGES + 1) + tl.where(later >= PAGES, null, later)
+    tl.store(wbias_ptr + local * stride_wbn + offs_k * stride_wbw, first_row, mask=k_ok)
+    tl.store(wbias_ptr + local * stride_wbn + offs_w * stride_wbw, later_row, mask=(offs_w >= K) & (offs_w < W))
+    tl.store(wshift_ptr + local, tl.load(wbase_ptr + local) + (K - 1 - at) * P)
+
+
+def _move_windows_launch(pages, page, local, rows, full_k, full_v, win_k, win_v, win_pages, win_shift, win_base,
+                         win_bias_rows, stable_batch, promoted, num_pages, k, count):
+    """`(args, constexprs)` of the `_move_windows_kernel` launch, one program a ranked row."""
+    p = win_k.shape[1] // win_pages.shape[1] if win_pages.shape[1] else 1
+    args = dict(pages_ptr=pages, page_ptr=page, local_ptr=local, rows_ptr=rows, fk_ptr=full_k, fv_ptr=full_v,
+                wk_ptr=win_k, wv_ptr=win_v, wpages_ptr=win_pages, wshift_ptr=win_shift, wbase_ptr=win_base,
+                wbias_ptr=win_bias_rows, sbatch_ptr=stable_batch, promoted_ptr=promoted, KR=pages.shape[1],
+                PAGES=num_pages, N_S=win_pages.shape[0] - 1, D=full_k.shape[2], DV=full_v.shape[2],
+                **_strides("p", "nk", pages.stride()),
+                stride_page=int(page.stride(0)) if page.dim() and page.numel() > 1 else 0,
+                **_strides("fk", "rtd", full_k.stride()), **_strides("fv", "rtd", full_v.stride()),
+                **_strides("wk", "ntd", win_k.stride()), **_strides("wv", "ntd", win_v.stride()),
+                **_strides("wp", "nw", win_pages.stride()), **_strides("wb", "nw", win_bias_rows.stride()))
+    constexprs = dict(K=k, W=win_pages.shape[1], P=p, BLOCK_K=triton.next_power_of_2(k),
+                      BLOCK_W=triton.next_power_of_2(win_pages.shape[1]),
+                      BLOCK_D=triton.next_power_of_2(full_k.shape[2]),
+                      BLOCK_DV=triton.next_power_of_2(full_v.shape[2]), COUNT=count)
+    return args, constexprs
+
+
+def _check_move_windows(pages, page, local, rows, full_k, win_k, win_pages, num_pages, k):
+    n = pages.shape[0]
+    if local.shape != (n,) or rows.shape != (n,) or page.numel() not in (1, n) or pages.shape[1] > k:
+        raise ValueError(f"move_windows: pages [n, <= K], local and rows [n], page one or [n]; got "
+                         f"{tuple(pages.shape)}, {tuple(local.shape)}, {tuple(rows.shape)}, {tuple(page.shape)}")
+    w = win_pages.shape[1]
+    if w < k or win_k.shape[1] != w * (full_k.shape[1] // num_pages) or full_k.shape[1] % num_pages:
+        raise ValueError(f"move_windows: windows of {w} pages ({win_k.shape[1]} tokens) for K = {k} and a full tier of "
+                         f"{full_k.shape[1]} tokens in {num_pages} pages")
+    page_size = full_k.shape[1] // num_pages
+    if page_size & (page_size - 1):
+        raise ValueError(f"move_windows: the Triton kernel takes pages of a power-of-two size, got {page_size}")
+
+
+@torch.library.custom_op("flexicache::move_windows", mutates_args=("win_k", "win_v", "win_pages", "win_shift",
+                                                                    "win_bias_rows", "promoted"))
+def move_windows(pages: torch.Tensor, page: torch.Tensor, local: torch.Tensor, rows: torch.Tensor,
+                 full_k: torch.Tensor, full_v: torch.Tensor, win_k: torch.Tensor, win_v: torch.Tensor,
+                 win_pages: torch.Tensor, win_shift: torch.Tensor, win_base: torch.Tensor, win_bias_rows: torch.Tensor,
+                 stable_batch: torch.Tensor, promoted: torch.Tensor, num_pages: int, k: int, count: bool) -> None:
+    """A re-rank's window moves in one launch (Triton); see `torch_backend.move_windows`."""
+    _check_move_windows(pages, page, local, rows, full_k, win_k, win_pages, num_pages, k)
+    _check_device(pages, page, local, rows, full_k, full_v, win_k, win_v, win_pages, win_shift, promoted)
+    if pages.shape[0] == 0:
+        return
+    args, constexprs = _move_windows_launch(pages, page, local, rows, full_k, full_v, win_k, win_v, win_pages,
+                                            win_shift, win_base, win_bias_rows, stable_batch, promoted, num_pages, k,
+                                            count)
+    _move_windows_kernel[(pages.shape[0],)](**args, **constexprs)
+
+
+@move_windows.register_fake
+def _move_windows_fake(pages, page, local, rows, full_k, full_v, win_k, win_v, win_pages, win_shift, win_base,
+                       win_bias_rows, stable_batch, promoted, num_pages, k, count):
+    _check_move_windows(pages, page, local, rows, full_k, win_k, win_pages, num_pages, k)
+
+
+__all__ = ["append_token", "attention", "carry_out", "move_windows", "page_mass", "page_scores"]

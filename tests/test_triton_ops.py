@@ -383,10 +383,12 @@ def test_one_launch_ops_write_what_a_decode_step_writes(triton_ops, monkeypatch)
             return "triton"
 
     import fc_hf.selection as selection
+    import fc_hf.tiers as tiers
 
-    launches, op, carry_op = [], triton_ops.append_token, triton_ops.carry_out
+    launches, op, carry_op, move_op = [], triton_ops.append_token, triton_ops.carry_out, triton_ops.move_windows
     monkeypatch.setattr(triton_ops, "append_token", lambda *args: launches.append("append") or op(*args))
     monkeypatch.setattr(triton_ops, "carry_out", lambda *args: launches.append("carry") or carry_op(*args))
+    monkeypatch.setattr(triton_ops, "move_windows", lambda *args: launches.append("move") or move_op(*args))
     model = tiny_model("llama", layers=3, kv_heads=3, heads=6)
     ids, mask = left_padded_batch(2, 37, pad_lengths=[0, 6])
     forced = torch.randint(1, 97, (2, 24), generator=torch.Generator().manual_seed(2))
@@ -399,6 +401,7 @@ def test_one_launch_ops_write_what_a_decode_step_writes(triton_ops, monkeypatch)
             if one_launch:
                 monkeypatch.setattr(decode, "kernels", OneLaunchWrites())
                 monkeypatch.setattr(selection, "kernels", OneLaunchWrites())
+                monkeypatch.setattr(tiers, "kernels", OneLaunchWrites())
             cfg = FlexiCacheConfig(streaming_heads=((0, 2),), streaming_sink_pages=1, page_size=4, token_budget=16,
                                    rerank_interval=3)
             cache = FlexiCache(model.config, cfg, HeadProfile.from_unstable(model.config, unstable))
@@ -412,6 +415,7 @@ def test_one_launch_ops_write_what_a_decode_step_writes(triton_ops, monkeypatch)
             runs[one_launch] = torch.stack(steps, 1), cache
             monkeypatch.setattr(decode, "kernels", dispatch)
             monkeypatch.setattr(selection, "kernels", dispatch)
+            monkeypatch.setattr(tiers, "kernels", dispatch)
         assert torch.equal(runs[True][0], runs[False][0])
         for a, b in zip(runs[True][1].layers, runs[False][1].layers):
             assert a.store.near_apart is (split and a.store.rows.n_stable > 0)  # no stable row: no tier apart
@@ -420,18 +424,20 @@ def test_one_launch_ops_write_what_a_decode_step_writes(triton_ops, monkeypatch)
             n_s = a.store.rows.n_stable
             assert torch.equal(a.store.win_k[:n_s], b.store.win_k[:n_s])
             assert torch.equal(a.store.win_v[:n_s], b.store.win_v[:n_s])
+            assert torch.equal(a.store.win_bias_rows[:n_s], b.store.win_bias_rows[:n_s])
             _same_carried((a.selector.carried_pages, a.selector.carried_scores),
                           (b.selector.carried_pages, b.selector.carried_scores))
         assert runs[True][1].stats()["pages_promoted"] == runs[False][1].stats()["pages_promoted"] > 0
     assert launches.count("append") == 2 * forced.shape[1] * 3  # one per layer and step, in both layouts
     assert launches.count("carry") >= 2 * forced.shape[1]  # at least the rows that rank every step
+    assert launches.count("move") >= 2 * forced.shape[1] // 3  # the stable rows' re-ranks
 
 
 @kernels_here
 def test_writing_ops_check_and_compile(triton_ops):
-    """opcheck of the token writes, the carried candidates and the pages' mass (schema, the declared mutations, fake
-    tensors); a compiled function (`fullgraph=True`, aot_eager) that writes a token is one graph whose writes are
-    eager's."""
+    """opcheck of the token writes, the carried candidates, the pages' mass and the window moves (schema, the declared
+    mutations, fake tensors); a compiled function (`fullgraph=True`, aot_eager) that writes a token is one graph whose
+    writes are eager's."""
     inputs = _append_inputs(torch.float32, True, seed=3)
     args = [v.to(DEVICE) if isinstance(v, torch.Tensor) else v for v in inputs.values()]
     keys, values, full_k, full_v, meta, meta_row, win_k, win_v, win_shift, local, near_k, near_v, near_place, sub = args
@@ -445,6 +451,10 @@ def test_writing_ops_check_and_compile(triton_ops):
     torch.library.opcheck(torch.ops.flexicache.carry_out.default, (cand, mass, page, 3, 2.5) + carried)
     logits = torch.randn(3, 2, 16, 4, device=DEVICE)
     torch.library.opcheck(torch.ops.flexicache.page_mass.default, (logits, mass))
+    moves = {name: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for name, v in _move_inputs(seed=5).items()}
+    moves["local"], moves["rows"] = moves["local"][:3], moves["rows"][:3]  # opcheck runs it again: no padded place
+    moves["pages"], moves["page"] = moves["pages"][:3], moves["page"][:3]
+    torch.library.opcheck(torch.ops.flexicache.move_windows.default, tuple(moves.values()) + (True,))
 
     def step(*a):
         dispatch.append_token(*a, backend="triton")
@@ -551,6 +561,58 @@ def test_carry_out_matches_backend_and_selector(triton_ops, n, c, carry, width, 
         _same_carried(got, want)
     else:  # the selector's state is 2 carry wide
         _same_carried(tuple(x[:, : 2 * carry] for x in got), want)
+
+
+# --------------------------------------------------------------------------------------------------
+# A re-rank's window moves
+# --------------------------------------------------------------------------------------------------
+
+def _move_inputs(seed, k=6, ranked=6, n_pages=20, p=4, d=8, dv=6, extra=3, per_row_page=True):
+    """`(args, names of the written tensors)` of `move_windows`: 3 ranked stable rows of 4 and a padded place (the extra
+    row), rankings of distinct pages some past the page being filled, old windows sharing some pages with the new."""
+    gen = torch.Generator().manual_seed(seed)
+    n_s, w, rows_total = 4, k + extra, 6
+    local, rows = torch.tensor([2, 0, 3, n_s]), torch.tensor([5, 1, 3, 5])
+    at = torch.tensor([14, 9, 17, 14]) if per_row_page else torch.tensor(14)
+    pages = torch.stack([torch.randperm(n_pages, generator=gen)[:ranked] for _ in range(4)])
+    pages[:, 0] = at if per_row_page else at.expand(4)  # the page being filled is always ranked
+    old = torch.randint(-1, n_pages, (n_s + 1, w), generator=gen)
+    old[:, :2] = pages[[1, 0, 0, 2, 3], 1:3]  # some pages held before
+    return dict(pages=pages, page=at, local=local, rows=rows,
+                full_k=torch.randn(rows_total, n_pages * p, d, generator=gen),
+                full_v=torch.randn(rows_total, n_pages * p, dv, generator=gen),
+                win_k=torch.randn(n_s + 1, w * p, d, generator=gen),
+                win_v=torch.randn(n_s + 1, w * p, dv, generator=gen),
+                win_pages=old, win_shift=torch.randint(0, 99, (n_s + 1,), generator=gen),
+                win_base=torch.arange(n_s + 1) * w * p, win_bias_rows=torch.randint(0, 99, (n_s + 1, w), generator=gen),
+                stable_batch=torch.tensor([0, 1, 1, 0, 0]), promoted=torch.tensor(5), num_pages=n_pages, k=k)
+
+
+def _moved(fn, inputs, count):
+    state = {name: v.clone().to(DEVICE) if isinstance(v, torch.Tensor) else v for name, v in inputs.items()}
+    fn(*state.values(), count)
+    n_s = inputs["win_pages"].shape[0] - 1
+    return {name: (state[name][:n_s] if state[name].dim() else state[name]).cpu()  # the extra row is never read
+            for name in ("win_k", "win_v", "win_pages", "win_shift", "win_bias_rows", "promoted")}
+
+
+@kernels_here
+@pytest.mark.parametrize("ranked", [6, 4], ids=["K-ranked", "fewer-pages-than-K"])
+@pytest.mark.parametrize("per_row_page", [True, False], ids=["page-per-row", "one-page"])
+@pytest.mark.parametrize("count", [True, False], ids=["host-tier", "no-host-tier"])
+def test_move_windows_matches_backend(triton_ops, ranked, per_row_page, count):
+    """The one-launch window moves (the window planned in page order, its first K pages copied from the full tier, the
+    shift, the token-bias rows, the pages promoted) equal the backend's bit for bit, and each wrote something."""
+    inputs = _move_inputs(seed=ranked + 2 * per_row_page, ranked=ranked, per_row_page=per_row_page)
+    got, want = _moved(triton_ops.move_windows, inputs, count), _moved(torch_backend.move_windows, inputs, count)
+    for name, expected in want.items():
+        assert torch.equal(got[name], expected), name
+    n_s = inputs["win_pages"].shape[0] - 1
+    for name in ("win_k", "win_v", "win_pages", "win_shift", "win_bias_rows"):
+        assert not torch.equal(want[name], inputs[name][:n_s]), f"{name} was not written"
+    assert int(want["promoted"]) == 5 if not count else int(want["promoted"]) >= 5
+    if count and ranked == 6:
+        assert int(want["promoted"]) > 5  # pages not held before were counted
 
 
 # --------------------------------------------------------------------------------------------------
@@ -758,6 +820,10 @@ for dt in (torch.bfloat16, torch.float32):
         build(ops._carry_out_kernel, a, c, {}, "carry_out")
         a, c = ops._page_mass_launch(torch.empty(16, 4, 128, 16), torch.empty(16, 128), torch.empty(16, 128))
         build(ops._page_mass_kernel, a, c, {}, "page_mass")
+        tier, win = torch.empty(16, 2048, 128), torch.empty(13, 1152, 128)
+        a, c = ops._move_windows_launch(long(16, 64), long(16), long(16), long(16), tier, tier, win, win, long(13, 72),
+                                        long(13), long(13), long(13, 72), long(13), long(()), 128, 64, True)
+        build(ops._move_windows_kernel, a, c, {}, "move_windows")
 print("built")
 """
 
