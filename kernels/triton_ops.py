@@ -623,6 +623,7 @@ def _page_mass_kernel(
     G, C,
     stride_ln, stride_lg, stride_lc, stride_lp, stride_sn, stride_sc, stride_on, stride_oc,
     P: tl.constexpr,
+    BLOCK_P: tl.constexpr,
     BLOCK_G: tl.constexpr,
     BLOCK_C: tl.constexpr,
 ):
@@ -632,7 +633,8 @@ def _page_mass_kernel(
     row = tl.program_id(0).to(tl.int64)
     offs_g = tl.arange(0, BLOCK_G)
     offs_c = tl.arange(0, BLOCK_C)
-    offs_p = tl.arange(0, P)
+    offs_p = tl.arange(0, BLOCK_P)
+    p_ok = offs_p < P
     base = logits_ptr + row * stride_ln
     peak = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     total = tl.zeros([BLOCK_G], dtype=tl.float32)
@@ -642,7 +644,7 @@ def _page_mass_kernel(
         for start in range(0, C, BLOCK_C):
             c_ok = start + offs_c < C
             x = tl.load(base + g * stride_lg + (start + offs_c)[:, None] * stride_lc + offs_p[None, :] * stride_lp,
-                        mask=c_ok[:, None], other=float("-inf")).to(tl.float32)
+                        mask=c_ok[:, None] & p_ok[None, :], other=float("-inf")).to(tl.float32)
             m_new = tl.maximum(m, tl.max(tl.max(x, axis=1), axis=0))
             live = m_new != float("-inf")  # until a finite logit, nothing to rescale or add
             added = tl.sum(tl.sum(tl.exp(x - m_new), axis=1), axis=0)
@@ -657,7 +659,7 @@ def _page_mass_kernel(
             m = tl.sum(tl.where(offs_g == g, peak, 0.0), axis=0)
             z = tl.sum(tl.where(offs_g == g, total, 0.0), axis=0)
             x = tl.load(base + g * stride_lg + (start + offs_c)[:, None] * stride_lc + offs_p[None, :] * stride_lp,
-                        mask=c_ok[:, None], other=float("-inf")).to(tl.float32)
+                        mask=c_ok[:, None] & p_ok[None, :], other=float("-inf")).to(tl.float32)
             mass += tl.sum(tl.exp(x - m), axis=1) / z
         mass = mass / G
         score = tl.load(scores_ptr + row * stride_sn + (start + offs_c) * stride_sc, mask=c_ok, other=0.0)
@@ -669,8 +671,6 @@ def _check_page_mass(logits, scores):
     if logits.dim() != 4 or tuple(scores.shape) != (logits.shape[0], logits.shape[2]):
         raise ValueError(f"page_mass: logits [n, G, C, P], scores [n, C]; got {tuple(logits.shape)}, "
                          f"{tuple(scores.shape)}")
-    if logits.shape[3] & (logits.shape[3] - 1):
-        raise ValueError(f"page_mass: the Triton kernel takes pages of a power-of-two size, got {logits.shape[3]}")
 
 
 def _page_mass_launch(logits, scores, out):
@@ -679,8 +679,9 @@ def _page_mass_launch(logits, scores, out):
     args = dict(logits_ptr=logits, scores_ptr=scores, out_ptr=out, G=g, C=c,
                 **_strides("l", "ngcp", logits.stride()), **_strides("s", "nc", scores.stride()),
                 **_strides("o", "nc", out.stride()))
-    constexprs = dict(P=p, BLOCK_G=triton.next_power_of_2(g),
-                      BLOCK_C=max(1, min(triton.next_power_of_2(c), 1024 // p)))
+    block_p = triton.next_power_of_2(p)
+    constexprs = dict(P=p, BLOCK_P=block_p, BLOCK_G=triton.next_power_of_2(g),
+                      BLOCK_C=max(1, min(triton.next_power_of_2(c), 1024 // block_p)))
     return args, constexprs
 
 
@@ -720,6 +721,7 @@ def _move_windows_kernel(
     K: tl.constexpr,
     W: tl.constexpr,
     P: tl.constexpr,
+    BLOCK_P: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_W: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -755,7 +757,9 @@ def _move_windows_kernel(
             tl.atomic_add(promoted_ptr, fresh)
     tl.debug_barrier()  # the old window read before it is written
 
-    offs_t = tl.arange(0, P)
+    offs_t = tl.arange(0, BLOCK_P)
+    k_tile = (offs_t < P)[:, None] & (tl.arange(0, BLOCK_D) < D)[None, :]
+    v_tile = (offs_t < P)[:, None] & (tl.arange(0, BLOCK_DV) < DV)[None, :]
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     source = tl.where(present, pages, 0)
@@ -763,13 +767,13 @@ def _move_windows_kernel(
         src = tl.sum(tl.where(offs_k == j, source, 0), axis=0)
         tokens = src * P + offs_t
         keys = tl.load(fk_ptr + row * stride_fkr + tokens[:, None] * stride_fkt + offs_d[None, :] * stride_fkd,
-                       mask=offs_d[None, :] < D)
+                       mask=k_tile)
         tl.store(wk_ptr + local * stride_wkn + (j * P + offs_t)[:, None] * stride_wkt + offs_d[None, :] * stride_wkd,
-                 keys, mask=offs_d[None, :] < D)
+                 keys, mask=k_tile)
         values = tl.load(fv_ptr + row * stride_fvr + tokens[:, None] * stride_fvt + offs_dv[None, :] * stride_fvd,
-                         mask=offs_dv[None, :] < DV)
+                         mask=v_tile)
         tl.store(wv_ptr + local * stride_wvn + (j * P + offs_t)[:, None] * stride_wvt + offs_dv[None, :] * stride_wvd,
-                 values, mask=offs_dv[None, :] < DV)
+                 values, mask=v_tile)
 
     later = at + offs_w - K + 1  # positions K, K + 1, ...: the pages it will open
     seq = tl.load(sbatch_ptr + local)
@@ -796,7 +800,8 @@ def _move_windows_launch(pages, page, local, rows, full_k, full_v, win_k, win_v,
                 **_strides("fk", "rtd", full_k.stride()), **_strides("fv", "rtd", full_v.stride()),
                 **_strides("wk", "ntd", win_k.stride()), **_strides("wv", "ntd", win_v.stride()),
                 **_strides("wp", "nw", win_pages.stride()), **_strides("wb", "nw", win_bias_rows.stride()))
-    constexprs = dict(K=k, W=win_pages.shape[1], P=p, BLOCK_K=triton.next_power_of_2(k),
+    constexprs = dict(K=k, W=win_pages.shape[1], P=p, BLOCK_P=triton.next_power_of_2(p),
+                      BLOCK_K=triton.next_power_of_2(k),
                       BLOCK_W=triton.next_power_of_2(win_pages.shape[1]),
                       BLOCK_D=triton.next_power_of_2(full_k.shape[2]),
                       BLOCK_DV=triton.next_power_of_2(full_v.shape[2]), COUNT=count)
@@ -812,9 +817,6 @@ def _check_move_windows(pages, page, local, rows, full_k, win_k, win_pages, num_
     if w < k or win_k.shape[1] != w * (full_k.shape[1] // num_pages) or full_k.shape[1] % num_pages:
         raise ValueError(f"move_windows: windows of {w} pages ({win_k.shape[1]} tokens) for K = {k} and a full tier of "
                          f"{full_k.shape[1]} tokens in {num_pages} pages")
-    page_size = full_k.shape[1] // num_pages
-    if page_size & (page_size - 1):
-        raise ValueError(f"move_windows: the Triton kernel takes pages of a power-of-two size, got {page_size}")
 
 
 @torch.library.custom_op("flexicache::move_windows", mutates_args=("win_k", "win_v", "win_pages", "win_shift",

@@ -481,10 +481,12 @@ def test_writing_ops_check_and_compile(triton_ops):
 # --------------------------------------------------------------------------------------------------
 
 @kernels_here
-@pytest.mark.parametrize("n, g, c, p", [(3, 3, 16, 16), (2, 1, 70, 16), (4, 8, 33, 4), (2, 4, 300, 8), (1, 2, 5, 1)])
+@pytest.mark.parametrize("n, g, c, p", [(3, 3, 16, 16), (2, 1, 70, 16), (4, 8, 33, 4), (2, 4, 300, 8), (1, 2, 5, 1),
+                                        (2, 3, 40, 6)])
 def test_page_mass_matches_backend_and_fp64(triton_ops, n, g, c, p):
     """Refinement's key from the candidates' logits: the backend's to fp32 rounding and the fp64 formula's; infinite
-    scores kept exactly; a head of no finite logit NaN as the backend's (row 0); more pages than one block (C = 300)."""
+    scores kept exactly; a head of no finite logit NaN as the backend's (row 0); more pages than one block (C = 300);
+    pages of a size that is not a power of two."""
     gen = torch.Generator().manual_seed(n * g + c)
     logits = torch.randn(n, g, c, p, generator=gen) * 4
     logits = logits.masked_fill(torch.rand(n, g, c, p, generator=gen) < 0.2, float("-inf"))
@@ -600,10 +602,12 @@ def _moved(fn, inputs, count):
 @pytest.mark.parametrize("ranked", [6, 4], ids=["K-ranked", "fewer-pages-than-K"])
 @pytest.mark.parametrize("per_row_page", [True, False], ids=["page-per-row", "one-page"])
 @pytest.mark.parametrize("count", [True, False], ids=["host-tier", "no-host-tier"])
-def test_move_windows_matches_backend(triton_ops, ranked, per_row_page, count):
+@pytest.mark.parametrize("p", [4, 3], ids=["P4", "P3"])
+def test_move_windows_matches_backend(triton_ops, ranked, per_row_page, count, p):
     """The one-launch window moves (the window planned in page order, its first K pages copied from the full tier, the
-    shift, the token-bias rows, the pages promoted) equal the backend's bit for bit, and each wrote something."""
-    inputs = _move_inputs(seed=ranked + 2 * per_row_page, ranked=ranked, per_row_page=per_row_page)
+    shift, the token-bias rows, the pages promoted) equal the backend's bit for bit, and each wrote something; pages of
+    a power-of-two size or not."""
+    inputs = _move_inputs(seed=ranked + 2 * per_row_page + p, ranked=ranked, per_row_page=per_row_page, p=p)
     got, want = _moved(triton_ops.move_windows, inputs, count), _moved(torch_backend.move_windows, inputs, count)
     for name, expected in want.items():
         assert torch.equal(got[name], expected), name
