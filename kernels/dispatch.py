@@ -56,12 +56,10 @@ def page_scores(query, meta, bias, subpages, backend=None):
 
 
 def candidate_mass(query, keys, bias, scores, scaling, page_size, backend=None):
-    """See `torch_backend.candidate_mass`; on the Triton backend its `page_mass` is the op."""
-    if backend_for(query, backend) == "triton":
-        n, g = query.shape[:2]
-        logits = torch_backend.candidate_logits(query, keys, bias, scaling, page_size).view(n, g, -1, page_size)
-        return _triton_ops().page_mass(logits, scores), logits
-    return torch_backend.candidate_mass(query, keys, bias, scores, scaling, page_size)
+    """See `torch_backend.candidate_mass`: its logits, then `page_mass` on this backend (the op on Triton's)."""
+    n, g = query.shape[:2]
+    logits = torch_backend.candidate_logits(query, keys, bias, scaling, page_size).view(n, g, -1, page_size)
+    return page_mass(logits, scores, backend), logits
 
 
 def candidate_logits(query, keys, bias, scaling, page_size, backend=None):
