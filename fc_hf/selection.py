@@ -64,7 +64,7 @@ class PageSelector:
         """Rank rows `rows [n]` (a row index; `store.n` for a padded place, whose results are not kept) for their queries
         `query [n, G, D]` at this step. `bias` is the step's `StepBias`. `minmax`: the rows' MinMax entries as views of
         the cache (`PageStore.minmax_views`), where the caller knows them on the host; else they are gathered. `near`:
-        the leading rows that are unstable (their candidates' keys are read from the near tier, `PageStore.key_pages`).
+        the leading rows that are unstable (their candidates' keys are read from the near tier, `_logits`).
         `real`, `seq`: the rows with padded places on a real row, and their sequences, where the caller has them.
         `row_range`: a `slice` where `rows` is the rows `[first, end)` (their carried candidates read and written in
         place)."""
@@ -79,7 +79,7 @@ class PageSelector:
         if self.carry:
             carried = ((self.carried_pages[row_range], self.carried_scores[row_range]) if row_range is not None
                        else (self.carried_pages.index_select(0, rows), self.carried_scores.index_select(0, rows)))
-        # A row range's carried candidates are written in place by `_carry_out` (read by `_candidates` before).
+        # A row range's carried candidates are written in place by `_refine` (read by `_candidates` before).
         ranking, out = self._refine(query, real, seq, *self._candidates(scores, carried), store, bias, bias.page,
                                     scaling, near, into=carried if row_range is not None else None)
         if self.carry and row_range is None:
@@ -164,29 +164,29 @@ class PageSelector:
     def _candidates(self, scores: torch.Tensor, carried) -> tuple[torch.Tensor, torch.Tensor]:
         """Refinement's candidates: the `refine_pages` best bounds, `carried` raised among them, in page order (so the
         same candidates are the same ranking whatever raised them). -> `(scores [n, C], pages [n, C])`."""
-        if carried is not None:
-            scores = scores.scatter_reduce(1, carried[0], carried[1], "amax")
-        cand_scores, cand = torch.topk(scores, min(self.refine, scores.shape[-1]), dim=-1, sorted=False)
-        cand, order = cand.sort(dim=1)
-        return cand_scores.gather(1, order), cand
+        return kernels.candidates(scores, *(carried or (None, None)), min(self.refine, scores.shape[-1]),
+                                  backend=self.cfg.backend)
 
     def _refine(self, query, real, seq, cand_scores, cand, store, bias, page, scaling, near: int = 0,
                 known: tuple | None = None, into: tuple | None = None) -> tuple[Ranking, tuple]:
         """Refinement of candidates `cand [n, C]` (`_candidates`): their exact attention mass, the top K. Returns the
         ranking and the candidates it carries out (written into `into`, `(pages, scores)`, where given). The first
-        `near` rows are unstable (`PageStore.key_pages`). `known`: `(candidates [n, C'], logits [n, G, C', P])` of an
+        `near` rows are unstable (`_logits`). `known`: `(candidates [n, C'], logits [n, G, C', P])` of an
         earlier refinement of the same queries (a verification block's later round, `rank_block`): only the candidates
         it lacked have their keys read."""
         k = min(self.k, store.pages)
-        n, c = cand.shape
         if known is None:
-            keys = store.key_pages(real, cand, near)  # the first `near` rows' from the near tier
-            mass, logits = kernels.candidate_mass(query, keys.view(n, c * store.page_size, -1),
-                                                  bias.page_tokens(seq[:, None], cand), cand_scores, scaling,
-                                                  store.page_size, backend=self.cfg.backend)
+            logits = self._logits(query, real, seq, cand, store, bias, scaling, near)
         else:
             logits = self._logits_again(query, real, seq, cand, *known, store, bias, scaling)
-            mass = kernels.page_mass(logits, cand_scores, backend=self.cfg.backend)
+        if kernels.backend_for(logits, self.cfg.backend) == "triton":  # the mass, top K and carried out in one launch
+            n, carry = cand.shape[0], min(self.carry, cand.shape[1])
+            out = into if into is not None else (self.carried_pages.new_empty(n, self.carried_pages.shape[1]),
+                                                 self.carried_scores.new_empty(n, self.carried_scores.shape[1]))
+            _, top, pages = kernels.choose(logits, cand_scores, cand, page, k, carry, CARRIED_SCORE, *out,
+                                           backend="triton")
+            return Ranking(pages, top, logits, cand), out if self.carry else None
+        mass = kernels.page_mass(logits, cand_scores)
         out = self._carry_out(cand, mass, page, into) if self.carry else None
         top = torch.topk(mass, k, dim=-1, sorted=False).indices
         return Ranking(cand.gather(1, top), top, logits, cand), out
@@ -196,7 +196,6 @@ class PageSelector:
         taken from `old_logits`, the others computed (a token's logit does not depend on the other candidates, so
         the numbers are the ones a full refinement computes, `candidate_logits`). Counting the new ones is a host sync
         (eager only)."""
-        n = cand.shape[0]
         g, p = old_logits.shape[1], old_logits.shape[3]
         at = torch.searchsorted(old_cand, cand).clamp(max=old_cand.shape[1] - 1)
         new = old_cand.gather(1, at) != cand
@@ -205,24 +204,23 @@ class PageSelector:
         if count:
             # Each row's new candidates first (padded with old ones, computed again to the same numbers).
             order = new.to(torch.int8).argsort(dim=1, descending=True, stable=True)[:, :count]
-            pages = cand.gather(1, order)
-            keys = store.key_pages(real, pages).view(n, count * p, -1)
-            fresh = kernels.candidate_logits(query, keys, bias.page_tokens(seq[:, None], pages), scaling, p,
-                                             backend=self.cfg.backend)
-            logits.scatter_(2, order[:, None, :, None].expand(-1, g, -1, p), fresh.view(n, g, count, p))
+            fresh = self._logits(query, real, seq, cand.gather(1, order), store, bias, scaling)
+            logits.scatter_(2, order[:, None, :, None].expand(-1, g, -1, p), fresh)
         return logits
+
+    def _logits(self, query, real, seq, pages, store, bias, scaling, near: int = 0) -> torch.Tensor:
+        """`[n, G, C, P]`: the logits of pages `pages [n, C]` of rows `real` for their queries (`kernels.page_logits`:
+        the keys read in place, the first `near` rows' from the near tier, where it is apart)."""
+        return kernels.page_logits(query, pages, real, near if store.near_apart else 0, store.near_k, store.near_index,
+                                   store.full_k, bias.tokens, None if bias.batch == 1 else seq, scaling,
+                                   backend=self.cfg.backend)
 
     def _carry_out(self, cand: torch.Tensor, mass: torch.Tensor, page: torch.Tensor,
                    into: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """What a ranking carries into its row's next one: its `carry_pages` candidates of most mass and the page after
         each (the page being filled, `page` (a scalar or one per ranking), at most); a score of -inf where a row had
         fewer candidates of positive, finite mass (neither forced nor never attendable). Written into `into`
-        (`(pages, scores)` views of the state) where given."""
-        if kernels.backend_for(mass, self.cfg.backend) == "triton":  # one launch
-            out = into if into is not None else (torch.empty_like(self.carried_pages[: mass.shape[0]]),
-                                                 torch.empty_like(self.carried_scores[: mass.shape[0]]))
-            kernels.carry_out(cand, mass, page, min(self.carry, mass.shape[1]), CARRIED_SCORE, *out, backend="triton")
-            return out
+        (`(pages, scores)` views of the state) where given. The PyTorch path (the Triton backend's is `choose`'s)."""
         top = mass.nan_to_num(posinf=0.0, neginf=0.0).topk(min(self.carry, mass.shape[1]), dim=-1)
         best = cand.gather(1, top.indices)[..., None]  # [n, carry, 1]
         n, carry = best.shape[:2]

@@ -306,22 +306,6 @@ class PageStore:
         blocks = [self.meta[: n_e]] if n_e else []
         return blocks + [self.meta[n_e + start : n_e + end]]
 
-    def key_pages(self, rows: torch.Tensor, pages: torch.Tensor, near: int = 0) -> torch.Tensor:
-        """The keys of pages `pages [n, C]` of rows `rows [n]` -> `[n * C, P, D]`. The first `near` rows are near rows
-        (unstable; the caller knows them on the host) and read from the near tier, the others from the full tier (which
-        holds every row: always right, over PCIe on a GPU)."""
-        p, d = self.page_size, self.head_dim
-        def gather(tier, tier_rows, tier_pages):
-            at = page_index(tier_rows[:, None], tier_pages, self.pages).view(-1)
-            return kernels.gather_pages(tier.view(-1, p, d), at, backend=self.cfg.backend)
-
-        if not self.near_apart or not near:
-            return gather(self.full_k, rows, pages)
-        first = gather(self.near_k, self.near_index.index_select(0, rows[:near]), pages[:near])
-        if near == rows.shape[0]:
-            return first
-        return torch.cat([first, gather(self.full_k, rows[near:], pages[near:])])
-
     def dense(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Every token held, `[B, H, L, D]` views of the full tier."""
         k = self.full_k.view(self.batch, self.heads, self.capacity, self.head_dim)[:, :, : self.length]

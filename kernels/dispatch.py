@@ -2,12 +2,12 @@
 
 `backend_for` picks per call: "triton" for CUDA tensors where Triton imports, else "torch"; `FLEXICACHE_BACKEND=
 torch|triton` (or `FlexiCacheConfig.backend`, passed here as `backend=`) forces either. On the Triton backend
-`page_scores`, `attention`, a decode token's writes (`append_token`), refinement's ranking key (`page_mass`), a
-ranking's carried candidates (`carry_out`) and a re-rank's window moves (`move_windows`) run Triton kernels registered
-as `torch.library` custom ops (`flexicache::page_scores`, `flexicache::attention`, `flexicache::append_token`,
-`flexicache::page_mass`, `flexicache::carry_out`, `flexicache::move_windows`, in `triton_ops.py`, imported only on first
-use so Triton stays optional), each one node of a compiled step. The other primitives (`candidate_logits`,
-`attention_from_logits`, `gather_pages`, `subpage_minmax`) are the PyTorch backend (`torch_backend.py`) on both.
+`page_scores`, `attention`, a decode token's writes (`append_token`), refinement's candidates (`candidates`), their
+logits with the keys read in place (`page_logits`), refinement's choice (`choose`: the mass, the top K, the carried
+candidates) and a re-rank's window moves (`move_windows`) run Triton kernels registered as `torch.library` custom ops
+(`flexicache::<name>`, in `triton_ops.py`, imported only on first use so Triton stays optional), each one node of a
+compiled step. The other primitives (`page_mass`, `attention_from_logits`, `gather_pages`, `subpage_minmax`) are the
+PyTorch backend (`torch_backend.py`) on both.
 """
 
 from __future__ import annotations
@@ -55,22 +55,33 @@ def page_scores(query, meta, bias, subpages, backend=None):
     return torch_backend.page_scores(query, meta, bias, subpages)
 
 
-def candidate_mass(query, keys, bias, scores, scaling, page_size, backend=None):
-    """See `torch_backend.candidate_mass`: its logits, then `page_mass` on this backend (the op on Triton's)."""
-    n, g = query.shape[:2]
-    logits = torch_backend.candidate_logits(query, keys, bias, scaling, page_size).view(n, g, -1, page_size)
-    return page_mass(logits, scores, backend), logits
+def candidates(scores, carried_pages, carried_scores, count, backend=None):
+    """See `torch_backend.candidates`; on the Triton backend the `flexicache::candidates` op (one launch)."""
+    if backend_for(scores, backend) == "triton":
+        if carried_pages is None:  # nothing carried: no place to raise
+            carried_pages, carried_scores = scores.new_empty(scores.shape[0], 0, dtype=torch.long), scores[:, :0]
+        return _triton_ops().candidates(scores, carried_pages, carried_scores, count)
+    return torch_backend.candidates(scores, carried_pages, carried_scores, count)
 
 
-def candidate_logits(query, keys, bias, scaling, page_size, backend=None):
-    return torch_backend.candidate_logits(query, keys, bias, scaling, page_size)
+def page_logits(query, pages, rows, near, near_k, near_index, full_k, tokens, seq, scaling, backend=None):
+    """See `torch_backend.page_logits`; on the Triton backend the `flexicache::page_logits` op (one launch)."""
+    args = (query, pages, rows, near, near_k, near_index, full_k, tokens, seq, scaling)
+    if backend_for(query, backend) == "triton":
+        return _triton_ops().page_logits(*args)
+    return torch_backend.page_logits(*args)
 
 
 def page_mass(logits, scores, backend=None):
-    """See `torch_backend.page_mass`; on the Triton backend the `flexicache::page_mass` op (one launch)."""
-    if backend_for(logits, backend) == "triton":
-        return _triton_ops().page_mass(logits, scores)
     return torch_backend.page_mass(logits, scores)
+
+
+def choose(logits, scores, cand, page, k, carry, score, pages_out, scores_out, backend=None):
+    """See `torch_backend.choose`; on the Triton backend the `flexicache::choose` op (one launch)."""
+    args = (logits, scores, cand, page, k, carry, score, pages_out, scores_out)
+    if backend_for(logits, backend) == "triton":
+        return _triton_ops().choose(*args)
+    return torch_backend.choose(*args)
 
 
 def attention(query, keys, values, bias, scaling, softcap=None, backend=None):
@@ -96,13 +107,6 @@ def append_token(keys, values, position, length, full_k, full_v, meta, meta_row,
     if backend_for(keys, backend) == "triton":
         return _triton_ops().append_token(*args)
     return torch_backend.append_token(*args)
-
-
-def carry_out(cand, mass, page, carry, score, pages_out, scores_out, backend=None):
-    """See `torch_backend.carry_out`; on the Triton backend the `flexicache::carry_out` op (one launch)."""
-    if backend_for(mass, backend) == "triton":
-        return _triton_ops().carry_out(cand, mass, page, carry, score, pages_out, scores_out)
-    return torch_backend.carry_out(cand, mass, page, carry, score, pages_out, scores_out)
 
 
 def move_windows(pages, page, local, rows, full_k, full_v, win_k, win_v, win_pages, win_shift, win_base, win_bias_rows,

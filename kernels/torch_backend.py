@@ -106,6 +106,20 @@ def candidate_mass(query: torch.Tensor, keys: torch.Tensor, bias: torch.Tensor, 
     return page_mass(logits, scores), logits
 
 
+def candidates(scores: torch.Tensor, carried_pages: torch.Tensor | None, carried_scores: torch.Tensor | None,
+               count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Refinement's candidates: the `count` best of the page scores `scores [n, pages]`, a carried page
+    (`carried_pages [n, W]`, None: none) raised to its carried score `carried_scores [n, W]` where that is higher, in
+    page order (the same candidates are then the same ranking whatever raised them) -> `(scores [n, C], pages [n, C])`.
+    Of equal scores at the cut `torch.topk` does not say which it takes; the Triton backend's `flexicache::candidates`
+    takes the lower pages."""
+    if carried_pages is not None:
+        scores = scores.scatter_reduce(1, carried_pages, carried_scores, "amax")
+    cand_scores, cand = torch.topk(scores, count, dim=-1, sorted=False)
+    cand, order = cand.sort(dim=1)
+    return cand_scores.gather(1, order), cand
+
+
 LOGIT_PAGES = 16  # pages per product of `candidate_logits`
 
 
@@ -126,6 +140,39 @@ def candidate_logits(query: torch.Tensor, keys: torch.Tensor, bias: torch.Tensor
     logits = torch.baddbmm(bias.view(n * chunks, 1, span), q, keys.float().view(n * chunks, span, d).transpose(1, 2),
                            alpha=scaling)
     return logits.view(n, chunks, g, span).transpose(1, 2).reshape(n, g, chunks * span)[..., :m]
+
+
+def page_logits(query: torch.Tensor, pages: torch.Tensor, rows: torch.Tensor, near: int, near_k: torch.Tensor,
+                near_index: torch.Tensor, full_k: torch.Tensor, tokens: torch.Tensor, seq: torch.Tensor | None,
+                scaling: float) -> torch.Tensor:
+    """Refinement's logits of pages read where they are: `candidate_logits` of the keys of pages `pages [n, C]` of rows
+    `rows [n]` with their token bias -> `[n, G, C, P]` (the Triton backend's `flexicache::page_logits` in one launch).
+
+    Args:
+        query (`torch.Tensor` of shape `[n, G, D]`).
+        pages (`torch.Tensor` of shape `[n, C]`): page indices.
+        rows (`torch.Tensor` of shape `[n]`): each one's row of the full tier.
+        near (`int`): the first `near` rows read the near tier `near_k [*, T, D]` at row `near_index[row]` (0: every
+            row reads the full tier, which holds the same keys).
+        full_k (`torch.Tensor` of shape `[N, T, D]`): the full tier, T = pages of a row x P.
+        tokens (`torch.Tensor` of shape `[B, T / P + 1, P]`): the step's token bias (`StepBias.tokens`).
+        seq (`torch.Tensor` of shape `[n]` or None): each one's sequence of `tokens` (None: one sequence).
+        scaling (`float`): the model's softmax scale.
+    """
+    n, c = pages.shape
+    p = tokens.shape[2]
+    per_row = full_k.shape[1] // p
+
+    def gather(tier, first, at):
+        return tier.view(-1, p, tier.shape[-1]).index_select(0, torch.add(at, first[:, None], alpha=per_row).view(-1))
+
+    keys = gather(full_k, rows, pages) if not near else gather(near_k, near_index.index_select(0, rows[:near]),
+                                                                 pages[:near])
+    if near and near < n:
+        keys = torch.cat([keys, gather(full_k, rows[near:], pages[near:])])
+    at = pages if seq is None else torch.add(pages, seq[:, None], alpha=tokens.shape[1])
+    bias = tokens.view(-1, p).index_select(0, at.view(-1)).view(n, c * p)
+    return candidate_logits(query, keys.view(n, c * p, -1), bias, scaling, p).view(n, query.shape[1], c, p)
 
 
 def page_mass(logits: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
@@ -221,8 +268,8 @@ def append_token(keys: torch.Tensor, values: torch.Tensor, position: torch.Tenso
 
 def carry_out(cand: torch.Tensor, mass: torch.Tensor, page: torch.Tensor, carry: int, score: float,
               pages_out: torch.Tensor, scores_out: torch.Tensor) -> None:
-    """What a refined ranking carries into its row's next one (`PageSelector`), the contract of the Triton backend's
-    one-launch `flexicache::carry_out` (the selector's PyTorch path computes the same with fewer copies).
+    """What a refined ranking carries into its row's next one (`PageSelector`), part of `choose`'s contract (the
+    selector's PyTorch path computes the same with fewer copies).
 
     Args:
         cand, mass (`torch.Tensor` of shape `[n, C]`): the candidates and their attention mass (+-inf and NaN count
@@ -241,6 +288,21 @@ def carry_out(cand: torch.Tensor, mass: torch.Tensor, page: torch.Tensor, carry:
     scores_out.fill_(NEG_INF)
     pages_out[:, : 2 * carry] = torch.minimum(torch.stack([best, best + 1], dim=-1).flatten(1), limit)
     scores_out[:, : 2 * carry] = torch.where(top.values > 0, score, NEG_INF).repeat_interleave(2, dim=1)
+
+
+def choose(logits: torch.Tensor, scores: torch.Tensor, cand: torch.Tensor, page: torch.Tensor, k: int, carry: int,
+           score: float, pages_out: torch.Tensor, scores_out: torch.Tensor
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Refinement's choice from its logits `[n, G, C, P]`, the contract of the Triton backend's one-launch
+    `flexicache::choose` (the selector's PyTorch path takes the same steps): the candidates' mass (`page_mass`, their
+    page `scores [n, C]`), the K of most mass (`top [n, K]`, their places; `cand.gather(1, top)`, their pages), and,
+    with `carry` > 0, the carried candidates written into `pages_out` and `scores_out` (`carry_out`).
+    -> `(mass [n, C], top [n, K], pages [n, K])`."""
+    mass = page_mass(logits, scores)
+    if carry:
+        carry_out(cand, mass, page, carry, score, pages_out, scores_out)
+    top = torch.topk(mass, k, dim=-1, sorted=False).indices
+    return mass, top, cand.gather(1, top)
 
 
 def move_windows(pages: torch.Tensor, page: torch.Tensor, local: torch.Tensor, rows: torch.Tensor,

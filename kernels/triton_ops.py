@@ -1,8 +1,8 @@
 """Triton kernels of the decode step, registered as `torch.library` custom ops.
 
-Each op (`flexicache::page_scores`, `flexicache::attention`, `flexicache::append_token`, `flexicache::carry_out`,
-`flexicache::page_mass`, `flexicache::move_windows`) has the contract of the `torch_backend` function of the same name
-(read its docstring for the shapes) and a fake implementation (`register_fake`: output shape and dtype only, or nothing
+Each op (`flexicache::page_scores`, `flexicache::attention`, `flexicache::append_token`, `flexicache::candidates`,
+`flexicache::page_logits`, `flexicache::choose`, `flexicache::move_windows`) has the contract of the `torch_backend`
+function of the same name (read its docstring for the shapes) and a fake implementation (`register_fake`: output shape and dtype only, or nothing
 for the ops that only write), so `torch.compile(fullgraph=True)` keeps a call as one opaque node of the graph and never
 traces into Triton.
 `dispatch.py` routes to them where `backend_for` answers "triton"; nothing else imports this module, so Triton stays an
@@ -26,12 +26,18 @@ Numerics, as the PyTorch backend:
   token at all (M == 0) the output is zeros, as the backend's empty matmul.
 - `append_token`: copies and a max / min over a sub-page's tokens, so the writes are the backend's bit for bit (the
   decode step's PyTorch path makes the same writes in 6-13 ops; here one launch per layer and step).
-- `carry_out`: the backend's numbers exactly (a choice among candidates, a page index, a constant score); of equal
-  masses the first candidate is carried, where `torch.topk` does not say which (the pages scored -inf, which carry
-  nothing, may then differ).
-- `page_mass`: the softmax over a row's candidate tokens per query head, in fp32 (online over blocks of pages, then the
-  pages' sums over the heads): to fp32 rounding of the backend's (a summation order of its own), NaN where a head has
-  no finite logit, the score itself where it is infinite.
+- `candidates`: the backend's bound scores raised by the carried ones (a max), the C largest in page order: the
+  backend's numbers exactly; of equal scores at the cut the lower pages are taken, where `torch.topk` does not say
+  which (pages never attendable, -inf, are the usual tie).
+- `page_logits`: `scaling * q . k + bias` per candidate token in fp32, the keys read in place from the near or the full
+  tier; summed over the channels in one order whatever a token's place, so a token's logit is the same number
+  whichever pages it is scored with (the backend fixes its products' shape for the same reason), to fp32 rounding of
+  the backend's.
+- `choose`: the mass is the softmax over a row's candidate tokens per query head, in fp32 (online over blocks of
+  pages, then the pages' sums over the heads): to fp32 rounding of the backend's (`page_mass`, a summation order of
+  its own), NaN where a head has no finite logit, the score itself where it is infinite. The top K and the carried
+  candidates are choices among candidates, a page index and a constant score: the backend's exactly; of equal masses
+  the first candidates are taken, where `torch.topk` does not say which (pages scored -inf may then differ).
 - `move_windows`: a sort, copies and index arithmetic, so the backend's writes bit for bit (the stable tensors' extra
   row, which padded places write, aside: several places may write it at once, and nothing reads it).
 """
@@ -535,102 +541,16 @@ def _append_token_fake(keys, values, position, length, full_k, full_v, meta, met
 
 
 # --------------------------------------------------------------------------------------------------
-# A ranking's carried candidates
+# Refinement's choice: the candidates' mass, the top K, the carried candidates
 # --------------------------------------------------------------------------------------------------
 
 @triton.jit
-def _carry_out_kernel(
-    cand_ptr, mass_ptr, page_ptr, pages_ptr, scores_ptr,
-    C, W, score,
-    stride_cn, stride_cc, stride_mn, stride_mc, stride_page, stride_pn, stride_pw, stride_sn, stride_sw,
-    CARRY: tl.constexpr,
-    BLOCK_C: tl.constexpr,
-    BLOCK_W: tl.constexpr,
-):
-    """One program: one row's `CARRY` candidates of most mass, one at a time (the first of equal masses), each with
-    the page after it, both at most the page being filled; the places past `2 CARRY` get page 0 and -inf."""
-    row = tl.program_id(0).to(tl.int64)
-    offs_c = tl.arange(0, BLOCK_C)
-    c_ok = offs_c < C
-    mass = tl.load(mass_ptr + row * stride_mn + offs_c * stride_mc, mask=c_ok, other=0.0)
-    mass = tl.where((mass == mass) & (tl.abs(mass) != float("inf")), mass, 0.0)  # NaN, +-inf: 0
-    key = tl.where(c_ok, mass, -2.0)  # the padded places below every mass (>= 0) and below a taken one (-1)
-    cand = tl.load(cand_ptr + row * stride_cn + offs_c * stride_cc, mask=c_ok, other=0)
-    limit = tl.load(page_ptr + row * stride_page)
-    offs_w = tl.arange(0, BLOCK_W)
-    pages = tl.zeros([BLOCK_W], dtype=tl.int64)
-    scores = tl.full([BLOCK_W], float("-inf"), dtype=tl.float32)
-    for j in tl.static_range(CARRY):
-        best = tl.max(key, axis=0)
-        at = tl.min(tl.where(key == best, offs_c, BLOCK_C), axis=0)  # the first place of the most mass
-        page = tl.sum(tl.where(offs_c == at, cand, 0), axis=0).to(tl.int64)
-        carried = tl.where(best > 0, score, float("-inf"))
-        pages = tl.where(offs_w == 2 * j, tl.minimum(page, limit),
-                         tl.where(offs_w == 2 * j + 1, tl.minimum(page + 1, limit), pages))
-        scores = tl.where((offs_w == 2 * j) | (offs_w == 2 * j + 1), carried, scores)
-        key = tl.where(offs_c == at, -1.0, key)
-    w_ok = offs_w < W
-    tl.store(pages_ptr + row * stride_pn + offs_w * stride_pw, pages, mask=w_ok)
-    tl.store(scores_ptr + row * stride_sn + offs_w * stride_sw, scores, mask=w_ok)
-
-
-def _check_carry_out(cand, mass, page, carry, pages_out, scores_out):
-    n, c = mass.shape
-    if tuple(cand.shape) != (n, c) or pages_out.shape != scores_out.shape or pages_out.shape[0] != n:
-        raise ValueError(f"carry_out: cand and mass [n, C], pages_out and scores_out [n, W]; got {tuple(cand.shape)}, "
-                         f"{tuple(mass.shape)}, {tuple(pages_out.shape)}, {tuple(scores_out.shape)}")
-    if not 0 < carry <= c or pages_out.shape[1] < 2 * carry or page.numel() not in (1, n):
-        raise ValueError(f"carry_out: carry {carry} of {c} candidates into {pages_out.shape[1]} places, page of "
-                         f"{page.numel()} entries (one, or one per row)")
-
-
-def _carry_out_launch(cand, mass, page, carry, score, pages_out, scores_out):
-    """`(args, constexprs)` of the `_carry_out_kernel` launch, one program a row."""
-    n, c = mass.shape
-    w = pages_out.shape[1]
-    args = dict(cand_ptr=cand, mass_ptr=mass, page_ptr=page, pages_ptr=pages_out, scores_ptr=scores_out, C=c, W=w,
-                score=float(score), **_strides("c", "nc", cand.stride()), **_strides("m", "nc", mass.stride()),
-                stride_page=int(page.stride(0)) if page.dim() and page.numel() > 1 else 0,
-                **_strides("p", "nw", pages_out.stride()), **_strides("s", "nw", scores_out.stride()))
-    constexprs = dict(CARRY=carry, BLOCK_C=triton.next_power_of_2(c), BLOCK_W=triton.next_power_of_2(w))
-    return args, constexprs
-
-
-@torch.library.custom_op("flexicache::carry_out", mutates_args=("pages_out", "scores_out"))
-def carry_out(cand: torch.Tensor, mass: torch.Tensor, page: torch.Tensor, carry: int, score: float,
-              pages_out: torch.Tensor, scores_out: torch.Tensor) -> None:
-    """A ranking's carried candidates in one launch (Triton); see `torch_backend.carry_out`."""
-    _check_carry_out(cand, mass, page, carry, pages_out, scores_out)
-    _check_device(cand, mass, page, pages_out, scores_out)
-    if mass.shape[0] == 0:
-        return
-    args, constexprs = _carry_out_launch(cand, mass, page, carry, score, pages_out, scores_out)
-    _carry_out_kernel[(mass.shape[0],)](**args, **constexprs)
-
-
-@carry_out.register_fake
-def _carry_out_fake(cand, mass, page, carry, score, pages_out, scores_out):
-    _check_carry_out(cand, mass, page, carry, pages_out, scores_out)
-
-
-# --------------------------------------------------------------------------------------------------
-# Refinement's ranking key
-# --------------------------------------------------------------------------------------------------
-
-@triton.jit
-def _page_mass_kernel(
-    logits_ptr, scores_ptr, out_ptr,
-    G, C,
-    stride_ln, stride_lg, stride_lc, stride_lp, stride_sn, stride_sc, stride_on, stride_oc,
-    P: tl.constexpr,
-    BLOCK_P: tl.constexpr,
-    BLOCK_G: tl.constexpr,
-    BLOCK_C: tl.constexpr,
-):
-    """One program: one row. First each head's softmax max and sum over all its candidates' tokens (online, BLOCK_C
-    pages at a time), then per block of pages the mass of each page summed over the heads, over G, or the score where
-    that is infinite. A head whose every token is -inf gives NaN, as `torch.softmax` does."""
-    row = tl.program_id(0).to(tl.int64)
+def _row_mass(logits_ptr, scores_ptr, out_ptr, row, G, C, stride_ln, stride_lg, stride_lc, stride_lp, stride_sn,
+              stride_sc, stride_on, stride_oc, P: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_G: tl.constexpr,
+              BLOCK_C: tl.constexpr):
+    """Refinement's key of one row into `out`: first each head's softmax max and sum over all its candidates' tokens
+    (online, BLOCK_C pages at a time), then per block of pages the mass of each page summed over the heads, over G, or
+    the score where that is infinite. A head whose every token is -inf gives NaN, as `torch.softmax` does."""
     offs_g = tl.arange(0, BLOCK_G)
     offs_c = tl.arange(0, BLOCK_C)
     offs_p = tl.arange(0, BLOCK_P)
@@ -667,42 +587,337 @@ def _page_mass_kernel(
         tl.store(out_ptr + row * stride_on + (start + offs_c) * stride_oc, mass, mask=c_ok)
 
 
-def _check_page_mass(logits, scores):
-    if logits.dim() != 4 or tuple(scores.shape) != (logits.shape[0], logits.shape[2]):
-        raise ValueError(f"page_mass: logits [n, G, C, P], scores [n, C]; got {tuple(logits.shape)}, "
-                         f"{tuple(scores.shape)}")
+@triton.jit
+def _top_places(values, ok, COUNT):
+    """`[BLOCK]` bool: the COUNT largest of `values` (fp32, where `ok`), of equal ones the first. As int32 in the
+    floats' order (NaN above +inf, as `torch.topk` takes it) the COUNT-th largest is found by a binary search (32
+    counts, no sort); the places above it and the first of those equal to it are taken."""
+    bits = values.to(tl.int32, bitcast=True)
+    key = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+    key = tl.where(ok, key, -2147483648)  # the padded places below every mid the search tries
+    lo = tl.full([], -2147483648, tl.int64)
+    hi = tl.full([], 2147483647, tl.int64)
+    for _ in range(0, 32):  # the largest v with at least COUNT keys >= v
+        mid = lo + (hi - lo + 1) // 2
+        enough = tl.sum((key >= mid.to(tl.int32)).to(tl.int32), axis=0) >= COUNT
+        lo = tl.where(enough, mid, lo)
+        hi = tl.where(enough, hi, mid - 1)
+    cut = lo.to(tl.int32)
+    above = ok & (key > cut)
+    at = ok & (key == cut)
+    return above | (at & (tl.cumsum(at.to(tl.int32), axis=0) <= COUNT - tl.sum(above.to(tl.int32), axis=0)))
 
 
-def _page_mass_launch(logits, scores, out):
-    """`(args, constexprs)` of the `_page_mass_kernel` launch, one program a row, about 1024 tokens a block."""
+@triton.jit
+def _choose_kernel(
+    logits_ptr, scores_ptr, cand_ptr, page_ptr, mass_ptr, top_ptr, chosen_ptr, cpages_ptr, cscores_ptr,
+    G, C, K, W, score,
+    stride_ln, stride_lg, stride_lc, stride_lp, stride_sn, stride_sc, stride_cn, stride_cc, stride_page,
+    stride_mn, stride_mc, stride_tn, stride_tk, stride_hn, stride_hk, stride_pn, stride_pw, stride_qn, stride_qw,
+    P: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    BLOCK_ALL: tl.constexpr,
+    BLOCK_W: tl.constexpr,
+    CARRY: tl.constexpr,
+):
+    """One program: one row. Its candidates' mass (`_row_mass`, written out, read back whole); the K of most mass
+    (`_top_places`), their places and pages in candidate order; the CARRY candidates of most mass, one at a time (the
+    first of equal masses; NaN and +-inf count as 0), each with the page after it, both at most the page being filled,
+    carried with `score` where the mass is positive (else -inf), the places past `2 CARRY` page 0 and -inf."""
+    row = tl.program_id(0).to(tl.int64)
+    _row_mass(logits_ptr, scores_ptr, mass_ptr, row, G, C, stride_ln, stride_lg, stride_lc, stride_lp, stride_sn,
+              stride_sc, stride_mn, stride_mc, P, BLOCK_P, BLOCK_G, BLOCK_C)
+    tl.debug_barrier()  # every thread's masses written before any reads them back
+    offs_c = tl.arange(0, BLOCK_ALL)
+    c_ok = offs_c < C
+    mass = tl.load(mass_ptr + row * stride_mn + offs_c * stride_mc, mask=c_ok, other=0.0)
+    cand = tl.load(cand_ptr + row * stride_cn + offs_c * stride_cc, mask=c_ok, other=0)
+    taken = _top_places(mass, c_ok, K)
+    place = tl.cumsum(taken.to(tl.int32), axis=0) - 1
+    tl.store(top_ptr + row * stride_tn + place * stride_tk, offs_c.to(tl.int64), mask=taken)
+    tl.store(chosen_ptr + row * stride_hn + place * stride_hk, cand, mask=taken)
+    if CARRY:
+        mass = tl.where((mass == mass) & (tl.abs(mass) != float("inf")), mass, 0.0)  # NaN, +-inf: 0
+        key = tl.where(c_ok, mass, -2.0)  # the padded places below every mass (>= 0) and below a taken one (-1)
+        limit = tl.load(page_ptr + row * stride_page)
+        offs_w = tl.arange(0, BLOCK_W)
+        pages = tl.zeros([BLOCK_W], dtype=tl.int64)
+        scores = tl.full([BLOCK_W], float("-inf"), dtype=tl.float32)
+        for j in tl.static_range(CARRY):
+            best = tl.max(key, axis=0)
+            at = tl.min(tl.where(key == best, offs_c, BLOCK_ALL), axis=0)  # the first place of the most mass
+            page = tl.sum(tl.where(offs_c == at, cand, 0), axis=0).to(tl.int64)
+            carried = tl.where(best > 0, score, float("-inf"))
+            pages = tl.where(offs_w == 2 * j, tl.minimum(page, limit),
+                             tl.where(offs_w == 2 * j + 1, tl.minimum(page + 1, limit), pages))
+            scores = tl.where((offs_w == 2 * j) | (offs_w == 2 * j + 1), carried, scores)
+            key = tl.where(offs_c == at, -1.0, key)
+        w_ok = offs_w < W
+        tl.store(cpages_ptr + row * stride_pn + offs_w * stride_pw, pages, mask=w_ok)
+        tl.store(cscores_ptr + row * stride_qn + offs_w * stride_qw, scores, mask=w_ok)
+
+
+def _check_choose(logits, scores, cand, page, k, carry, pages_out, scores_out):
+    n, g, c, p = logits.shape if logits.dim() == 4 else (None,) * 4
+    if (logits.dim() != 4 or tuple(scores.shape) != (n, c) or tuple(cand.shape) != (n, c)
+            or pages_out.shape != scores_out.shape or pages_out.dim() != 2 or pages_out.shape[0] != n):
+        raise ValueError(f"choose: logits [n, G, C, P], scores and cand [n, C], pages_out and scores_out [n, W]; got "
+                         f"{tuple(logits.shape)}, {tuple(scores.shape)}, {tuple(cand.shape)}, "
+                         f"{tuple(pages_out.shape)}, {tuple(scores_out.shape)}")
+    if not 0 < k <= c or not 0 <= carry <= c or pages_out.shape[1] < 2 * carry or page.numel() not in (1, n):
+        raise ValueError(f"choose: K {k} and carry {carry} of {c} candidates, carried into {pages_out.shape[1]} "
+                         f"places, page of {page.numel()} entries (one, or one per row)")
+
+
+def _choose_launch(logits, scores, cand, page, k, carry, score, pages_out, scores_out, mass, top, chosen):
+    """`(args, constexprs)` of the `_choose_kernel` launch, one program a row; the mass about 1024 tokens a block."""
     n, g, c, p = logits.shape
-    args = dict(logits_ptr=logits, scores_ptr=scores, out_ptr=out, G=g, C=c,
+    args = dict(logits_ptr=logits, scores_ptr=scores, cand_ptr=cand, page_ptr=page, mass_ptr=mass, top_ptr=top,
+                chosen_ptr=chosen, cpages_ptr=pages_out, cscores_ptr=scores_out, G=g, C=c, K=k,
+                W=pages_out.shape[1], score=float(score),
                 **_strides("l", "ngcp", logits.stride()), **_strides("s", "nc", scores.stride()),
-                **_strides("o", "nc", out.stride()))
+                **_strides("c", "nc", cand.stride()),
+                stride_page=int(page.stride(0)) if page.dim() and page.numel() > 1 else 0,
+                **_strides("m", "nc", mass.stride()), **_strides("t", "nk", top.stride()),
+                **_strides("h", "nk", chosen.stride()), **_strides("p", "nw", pages_out.stride()),
+                **_strides("q", "nw", scores_out.stride()))
     block_p = triton.next_power_of_2(p)
     constexprs = dict(P=p, BLOCK_P=block_p, BLOCK_G=triton.next_power_of_2(g),
-                      BLOCK_C=max(1, min(triton.next_power_of_2(c), 1024 // block_p)))
+                      BLOCK_C=max(1, min(triton.next_power_of_2(c), 1024 // block_p)),
+                      BLOCK_ALL=triton.next_power_of_2(c), BLOCK_W=triton.next_power_of_2(max(1, pages_out.shape[1])),
+                      CARRY=carry)
     return args, constexprs
 
 
-@torch.library.custom_op("flexicache::page_mass", mutates_args=())
-def page_mass(logits: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-    """Refinement's ranking key from its logits (Triton); see `torch_backend.page_mass`. `[n, G, C, P]`, `[n, C]` ->
-    `[n, C]` fp32."""
-    _check_page_mass(logits, scores)
-    _check_device(logits, scores)
-    out = torch.empty(scores.shape, device=scores.device, dtype=torch.float32)
+@torch.library.custom_op("flexicache::choose", mutates_args=("pages_out", "scores_out"))
+def choose(logits: torch.Tensor, scores: torch.Tensor, cand: torch.Tensor, page: torch.Tensor, k: int, carry: int,
+           score: float, pages_out: torch.Tensor, scores_out: torch.Tensor
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Refinement's choice in one launch (Triton); see `torch_backend.choose`. -> `(mass [n, C] fp32, top [n, K],
+    pages [n, K])`, the carried candidates written into `pages_out` and `scores_out`."""
+    _check_choose(logits, scores, cand, page, k, carry, pages_out, scores_out)
+    _check_device(logits, scores, cand, page, pages_out, scores_out)
+    n, c = scores.shape
+    mass = torch.empty(n, c, device=scores.device, dtype=torch.float32)
+    top = torch.empty(n, k, device=scores.device, dtype=torch.long)
+    chosen = torch.empty(n, k, device=scores.device, dtype=cand.dtype)
+    if n:
+        args, constexprs = _choose_launch(logits, scores, cand, page, k, carry, score, pages_out, scores_out, mass,
+                                          top, chosen)
+        _choose_kernel[(n,)](**args, **constexprs)
+    return mass, top, chosen
+
+
+@choose.register_fake
+def _choose_fake(logits, scores, cand, page, k, carry, score, pages_out, scores_out):
+    _check_choose(logits, scores, cand, page, k, carry, pages_out, scores_out)
+    n, c = scores.shape
+    return (scores.new_empty((n, c), dtype=torch.float32), scores.new_empty((n, k), dtype=torch.long),
+            cand.new_empty((n, k)))
+
+
+# --------------------------------------------------------------------------------------------------
+# Refinement's candidates
+# --------------------------------------------------------------------------------------------------
+
+@triton.jit
+def _candidates_kernel(
+    scores_ptr, cpages_ptr, cscores_ptr, out_scores_ptr, out_pages_ptr,
+    PAGES, W,
+    stride_sn, stride_sp, stride_cpn, stride_cpw, stride_csn, stride_csw, stride_osn, stride_osc, stride_opn,
+    stride_opc,
+    C: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """One program: one row. Its scores raised to its carried candidates' (the max where a page is carried); the C
+    largest (`_top_places`: of equal ones the lower pages) are the candidates, written in page order (a chosen page's
+    place is a cumulative sum)."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    ok = offs < PAGES
+    chosen = _top_places(_raised_scores(scores_ptr, cpages_ptr, cscores_ptr, row, offs, ok, W, stride_sn, stride_sp,
+                                        stride_cpn, stride_cpw, stride_csn, stride_csw), ok, C)
+    place = tl.cumsum(chosen.to(tl.int32), axis=0) - 1
+    tl.store(out_pages_ptr + row * stride_opn + place * stride_opc, offs.to(tl.int64), mask=chosen)
+    raised = _raised_scores(scores_ptr, cpages_ptr, cscores_ptr, row, offs, chosen, W, stride_sn, stride_sp,
+                            stride_cpn, stride_cpw, stride_csn, stride_csw)  # again: not held through the search
+    tl.store(out_scores_ptr + row * stride_osn + place * stride_osc, raised, mask=chosen)
+
+
+@triton.jit
+def _raised_scores(scores_ptr, cpages_ptr, cscores_ptr, row, offs, ok, W, stride_sn, stride_sp, stride_cpn, stride_cpw,
+                   stride_csn, stride_csw):
+    """A row's page scores at `offs` (where `ok`), each carried page's raised to its carried score where higher."""
+    raised = tl.load(scores_ptr + row * stride_sn + offs * stride_sp, mask=ok, other=float("-inf"))
+    for j in range(0, W):
+        page = tl.load(cpages_ptr + row * stride_cpn + j * stride_cpw)
+        score = tl.load(cscores_ptr + row * stride_csn + j * stride_csw)
+        raised = tl.where(offs == page, tl.maximum(raised, score), raised)
+    return raised
+
+
+def _check_candidates(scores, carried_pages, carried_scores, count):
+    n, pages = scores.shape
+    if carried_pages.shape != carried_scores.shape or carried_pages.dim() != 2 or carried_pages.shape[0] != n:
+        raise ValueError(f"candidates: scores [n, pages], carried pages and scores [n, W]; got {tuple(scores.shape)}, "
+                         f"{tuple(carried_pages.shape)}, {tuple(carried_scores.shape)}")
+    if not 0 < count <= pages:
+        raise ValueError(f"candidates: {count} candidates of {pages} pages")
+
+
+def _candidates_launch(scores, carried_pages, carried_scores, count, out_scores, out_pages):
+    """`(args, constexprs, options)` of the `_candidates_kernel` launch, one program a row (its pages in one block),
+    a warp per 64 pages (4 to 32): on sm_90 (`ptxas -v`) no spill up to 4096 pages (64k tokens of 16), 40 bytes at
+    8192."""
+    args = dict(scores_ptr=scores, cpages_ptr=carried_pages, cscores_ptr=carried_scores, out_scores_ptr=out_scores,
+                out_pages_ptr=out_pages, PAGES=scores.shape[1], W=carried_pages.shape[1],
+                **_strides("s", "np", scores.stride()), **_strides("cp", "nw", carried_pages.stride()),
+                **_strides("cs", "nw", carried_scores.stride()), **_strides("os", "nc", out_scores.stride()),
+                **_strides("op", "nc", out_pages.stride()))
+    block = triton.next_power_of_2(scores.shape[1])
+    return args, dict(C=count, BLOCK=block), dict(num_warps=min(32, max(4, block // 64)))
+
+
+@torch.library.custom_op("flexicache::candidates", mutates_args=())
+def candidates(scores: torch.Tensor, carried_pages: torch.Tensor, carried_scores: torch.Tensor,
+               count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Refinement's candidates in one launch (Triton); see `torch_backend.candidates`. -> `(scores [n, C] fp32,
+    pages [n, C] int64)`."""
+    _check_candidates(scores, carried_pages, carried_scores, count)
+    _check_device(scores, carried_pages, carried_scores)
+    n = scores.shape[0]
+    out_scores = torch.empty(n, count, device=scores.device, dtype=torch.float32)
+    out_pages = torch.empty(n, count, device=scores.device, dtype=torch.long)
+    if n:
+        args, constexprs, options = _candidates_launch(scores, carried_pages, carried_scores, count, out_scores,
+                                                       out_pages)
+        _candidates_kernel[(n,)](**args, **constexprs, **options)
+    return out_scores, out_pages
+
+
+@candidates.register_fake
+def _candidates_fake(scores, carried_pages, carried_scores, count):
+    _check_candidates(scores, carried_pages, carried_scores, count)
+    n = scores.shape[0]
+    return scores.new_empty((n, count), dtype=torch.float32), scores.new_empty((n, count), dtype=torch.long)
+
+
+# --------------------------------------------------------------------------------------------------
+# Refinement's logits, the pages' keys read in place
+# --------------------------------------------------------------------------------------------------
+
+@triton.jit
+def _page_logits_kernel(
+    q_ptr, pages_ptr, rows_ptr, nk_ptr, nidx_ptr, fk_ptr, tok_ptr, seq_ptr, out_ptr,
+    G, D, C, NEAR, scaling,
+    stride_qn, stride_qg, stride_qd, stride_pn, stride_pc, stride_rn, stride_ni,
+    stride_nkr, stride_nkt, stride_nkd, stride_fkr, stride_fkt, stride_fkd,
+    stride_tb, stride_tp, stride_tt, stride_sn, stride_on, stride_og, stride_oc, stride_ot,
+    P: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    BLOCK_PAGES: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    HAS_SEQ: tl.constexpr,
+):
+    """One program: one row, BLOCK_PAGES of its pages (slot j is token j % BLOCK_P of the block's page j // BLOCK_P).
+    A row before NEAR reads its keys from the near tier, the others from the full tier (two masked loads, one of them
+    live). Each logit is summed over the channels in chunks of BLOCK_D in one order whatever the slot, so a token's
+    logit is the same number whichever pages it is scored with (`PageSelector._logits_again` relies on that)."""
+    row = tl.program_id(0).to(tl.int64)
+    block = tl.program_id(1)
+    BLOCK_T: tl.constexpr = BLOCK_PAGES * BLOCK_P
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_t = tl.arange(0, BLOCK_T)
+    tok = offs_t % BLOCK_P
+    cand = block * BLOCK_PAGES + offs_t // BLOCK_P
+    t_ok = (tok < P) & (cand < C)
+    page = tl.load(pages_ptr + row * stride_pn + cand * stride_pc, mask=t_ok, other=0).to(tl.int64)
+    r = tl.load(rows_ptr + row * stride_rn).to(tl.int64)
+    near_row = tl.load(nidx_ptr + r * stride_ni).to(tl.int64)
+    near = (tl.zeros([BLOCK_T], dtype=tl.int64) + row) < NEAR  # per slot, as a mask must be
+    position = page * P + tok
+    near_at = nk_ptr + near_row * stride_nkr + position * stride_nkt
+    full_at = fk_ptr + r * stride_fkr + position * stride_fkt
+    g_ok = offs_g < G
+    acc = tl.zeros([BLOCK_G, BLOCK_T], dtype=tl.float32)
+    for start in range(0, D, BLOCK_D):
+        d_ok = start + offs_d < D
+        q = tl.load(q_ptr + row * stride_qn + offs_g[:, None] * stride_qg + (start + offs_d)[None, :] * stride_qd,
+                    mask=g_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+        kd = (start + offs_d)[None, :]
+        ok = t_ok[:, None] & d_ok[None, :]
+        k = (tl.load(near_at[:, None] + kd * stride_nkd, mask=ok & near[:, None], other=0.0).to(tl.float32)
+             + tl.load(full_at[:, None] + kd * stride_fkd, mask=ok & ~near[:, None], other=0.0).to(tl.float32))
+        acc += tl.sum(q[:, None, :] * k[None, :, :], axis=2)
+    if HAS_SEQ:
+        s = tl.load(seq_ptr + row * stride_sn).to(tl.int64)
+    else:
+        s = 0
+    bias = tl.load(tok_ptr + s * stride_tb + page * stride_tp + tok * stride_tt, mask=t_ok, other=0.0)
+    logits = acc * scaling + bias[None, :]
+    out = out_ptr + row * stride_on + offs_g[:, None] * stride_og + (cand * stride_oc + tok * stride_ot)[None, :]
+    tl.store(out, logits, mask=g_ok[:, None] & t_ok[None, :])
+
+
+def _check_page_logits(query, pages, rows, near, near_k, near_index, full_k, tokens, seq):
+    n, c = pages.shape
+    p = tokens.shape[2] if tokens.dim() == 3 else 0
+    if (query.dim() != 3 or query.shape[0] != n or tuple(rows.shape) != (n,) or full_k.dim() != 3 or near_k.dim() != 3
+            or tokens.dim() != 3 or not p or full_k.shape[1] % p or near_k.shape[1:] != full_k.shape[1:]
+            or full_k.shape[2] != query.shape[2] or (seq is not None and tuple(seq.shape) != (n,))):
+        raise ValueError(f"page_logits: query [n, G, D], pages [n, C], rows and seq [n], near_k and full_k [*, T, D], "
+                         f"tokens [B, T / P + 1, P]; got {tuple(query.shape)}, {tuple(pages.shape)}, "
+                         f"{tuple(rows.shape)}, {None if seq is None else tuple(seq.shape)}, {tuple(near_k.shape)}, "
+                         f"{tuple(full_k.shape)}, {tuple(tokens.shape)}")
+    if not 0 <= near <= n:
+        raise ValueError(f"page_logits: near ({near}) must be within the {n} rows")
+
+
+def _page_logits_launch(query, pages, rows, near, near_k, near_index, full_k, tokens, seq, scaling, out):
+    """`(grid, args, constexprs)` of the `_page_logits_kernel` launch: about 64 tokens and 16 channels a chunk."""
+    n, c = pages.shape
+    p = tokens.shape[2]
+    block_p = triton.next_power_of_2(p)
+    block_pages = max(1, 64 // block_p)
+    args = dict(q_ptr=query, pages_ptr=pages, rows_ptr=rows, nk_ptr=near_k, nidx_ptr=near_index, fk_ptr=full_k,
+                tok_ptr=tokens, seq_ptr=rows if seq is None else seq, out_ptr=out, G=query.shape[1], D=query.shape[2],
+                C=c, NEAR=near, scaling=float(scaling),
+                **_strides("q", "ngd", query.stride()), **_strides("p", "nc", pages.stride()),
+                stride_rn=int(rows.stride(0)), stride_ni=int(near_index.stride(0)),
+                **_strides("nk", "rtd", near_k.stride()), **_strides("fk", "rtd", full_k.stride()),
+                **_strides("t", "bpt", tokens.stride()), stride_sn=int(seq.stride(0)) if seq is not None else 0,
+                **_strides("o", "ngct", out.stride()))
+    constexprs = dict(P=p, BLOCK_P=block_p, BLOCK_PAGES=block_pages, BLOCK_G=triton.next_power_of_2(query.shape[1]),
+                      BLOCK_D=16, HAS_SEQ=seq is not None)
+    return (n, triton.cdiv(c, block_pages)), args, constexprs
+
+
+@torch.library.custom_op("flexicache::page_logits", mutates_args=())
+def page_logits(query: torch.Tensor, pages: torch.Tensor, rows: torch.Tensor, near: int, near_k: torch.Tensor,
+                near_index: torch.Tensor, full_k: torch.Tensor, tokens: torch.Tensor, seq: Optional[torch.Tensor],
+                scaling: float) -> torch.Tensor:
+    """Refinement's logits of pages read in place, in one launch (Triton); see `torch_backend.page_logits`.
+    -> `[n, G, C, P]` fp32."""
+    _check_page_logits(query, pages, rows, near, near_k, near_index, full_k, tokens, seq)
+    _check_device(query, pages, rows, near_k, near_index, full_k, tokens, *(() if seq is None else (seq,)))
+    n, c = pages.shape
+    out = torch.empty(n, query.shape[1], c, tokens.shape[2], device=query.device, dtype=torch.float32)
     if out.numel() == 0:
         return out
-    args, constexprs = _page_mass_launch(logits, scores, out)
-    _page_mass_kernel[(logits.shape[0],)](**args, **constexprs)
+    grid, args, constexprs = _page_logits_launch(query, pages, rows, near, near_k, near_index, full_k, tokens, seq,
+                                                 scaling, out)
+    _page_logits_kernel[grid](**args, **constexprs)
     return out
 
 
-@page_mass.register_fake
-def _page_mass_fake(logits, scores):
-    _check_page_mass(logits, scores)
-    return scores.new_empty(scores.shape, dtype=torch.float32)
+@page_logits.register_fake
+def _page_logits_fake(query, pages, rows, near, near_k, near_index, full_k, tokens, seq, scaling):
+    _check_page_logits(query, pages, rows, near, near_k, near_index, full_k, tokens, seq)
+    return query.new_empty((pages.shape[0], query.shape[1], pages.shape[1], tokens.shape[2]), dtype=torch.float32)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -842,4 +1057,4 @@ def _move_windows_fake(pages, page, local, rows, full_k, full_v, win_k, win_v, w
     _check_move_windows(pages, page, local, rows, full_k, win_k, win_pages, num_pages, k)
 
 
-__all__ = ["append_token", "attention", "carry_out", "move_windows", "page_mass", "page_scores"]
+__all__ = ["append_token", "attention", "candidates", "choose", "move_windows", "page_logits", "page_scores"]

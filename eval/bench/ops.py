@@ -46,8 +46,9 @@ reported per step; `top_ops_per_layer` breaks the layer ops down by aten op.
 Triton: `--ops-backends triton` runs the FlexiCache methods with `FlexiCacheConfig(backend="triton")` in a
 worker under the Triton interpreter on a CPU (`TRITON_INTERPRET=1`) and counts each Triton launch as one op.
 These are a GPU's eager launches: `flexicache::page_scores`, `flexicache::attention`, `flexicache::append_token` (a
-decode token's writes), `flexicache::page_mass`, `flexicache::carry_out` (refinement's key, the carried candidates)
-and `flexicache::move_windows` (a re-rank's window moves) run as Triton kernels, the rest
+decode token's writes), `flexicache::candidates`, `flexicache::page_logits`, `flexicache::choose` (refinement's
+candidates, their logits, the mass, top K and carried candidates) and `flexicache::move_windows` (a re-rank's window
+moves) run as Triton kernels, the rest
 of the step as torch ops (`fc_hf.kernels.dispatch`). A row is kept only when a Triton kernel launched (else the
 worker says so and writes no row, rather than torch's counts under the name "triton").
 
