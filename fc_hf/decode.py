@@ -175,14 +175,12 @@ def attend_chosen(layer, ranking: Ranking, m: int, page_starts: torch.Tensor, qu
     `sequences()` give the rows' queries `[m, G, D]` and sequences `[m]`, read only on the second path."""
     store, backend, p = layer.store, layer.cfg.backend, layer.store.page_size
     chosen = ranking.pages[:m]
+    if ranking.logits is not None and softcap is None:  # the ranking's own logits of the chosen pages
+        return kernels.chosen_attention(ranking.logits, ranking.top[:m], chosen, page_starts.view(-1),
+                                        store.near_v.view(-1, store.value_dim), backend=backend)
     k = chosen.shape[1]
     at = (page_starts + chosen).view(-1)
     values = kernels.gather_pages(store.near_v.view(-1, p, store.value_dim), at, backend=backend).view(m, k * p, -1)
-    if ranking.logits is not None and softcap is None:  # the ranking's own logits of the chosen pages
-        logits = ranking.logits[:m]
-        g = logits.shape[1]
-        logits = logits.gather(2, ranking.top[:m, None, :, None].expand(m, g, k, p)).view(m, g, k * p)
-        return kernels.attention_from_logits(logits, values, backend=backend)
     keys = kernels.gather_pages(store.near_k.view(-1, p, store.head_dim), at, backend=backend).view(m, k * p, -1)
     tok = bias.page_tokens(sequences()[:, None], chosen)
     return kernels.attention(queries(), keys, values, tok, scaling, softcap, backend=backend)

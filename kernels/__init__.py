@@ -5,7 +5,7 @@ Installed as `fc_hf.kernels` (the repository folder is `kernels/`; see pyproject
 | module | what it owns |
 |---|---|
 | `dispatch.py` | the decode step's primitives as the core calls them: the PyTorch backend, or a Triton kernel where one serves (`FLEXICACHE_BACKEND=torch|triton` forces either) |
-| `triton_ops.py` | the Triton kernels of `page_scores`, `attention`, a decode token's writes, refinement's candidates, their logits with the keys read in place, refinement's choice (mass, top K, carried candidates) and a re-rank's window moves, registered as `torch.library` custom ops (`flexicache::page_scores`, `flexicache::attention`, `flexicache::append_token`, `flexicache::candidates`, `flexicache::page_logits`, `flexicache::choose`, `flexicache::move_windows`) with fake implementations; imported by `dispatch.py` on first use only (Triton is optional) |
+| `triton_ops.py` | the Triton kernels of `page_scores`, `attention`, a decode token's writes, refinement's candidates, their logits with the keys read in place, refinement's choice (mass, top K, carried candidates), the attention over a ranking's own logits and a re-rank's window moves, registered as `torch.library` custom ops (`flexicache::page_scores`, `flexicache::attention`, `flexicache::append_token`, `flexicache::candidates`, `flexicache::page_logits`, `flexicache::choose`, `flexicache::chosen_attention`, `flexicache::move_windows`) with fake implementations; imported by `dispatch.py` on first use only (Triton is optional) |
 | `torch_backend.py` | the PyTorch implementation: the CPU production path and the reference the Triton kernels are tested against |
 | `bruteforce.py` | literal-formula oracles for tests only (never called in production) |
 
@@ -44,8 +44,8 @@ if __name__ == "kernels" and (_spec := _installed_kernels()) is not None:
         del sys.modules["kernels"]
         raise
 else:
-    from .dispatch import (append_token, attention, attention_from_logits, backend_for, gather_pages, page_logits,
-                           page_mass, page_scores, subpage_minmax)
+    from .dispatch import (append_token, attention, backend_for, chosen_attention, gather_pages, page_logits, page_mass,
+                           page_scores, subpage_minmax)
 
-    __all__ = ["append_token", "attention", "attention_from_logits", "backend_for", "gather_pages", "page_logits",
+    __all__ = ["append_token", "attention", "backend_for", "chosen_attention", "gather_pages", "page_logits",
                "page_mass", "page_scores", "subpage_minmax"]

@@ -4,9 +4,10 @@
 torch|triton` (or `FlexiCacheConfig.backend`, passed here as `backend=`) forces either. On the Triton backend
 `page_scores`, `attention`, a decode token's writes (`append_token`), refinement's candidates (`candidates`), their
 logits with the keys read in place (`page_logits`), refinement's choice (`choose`: the mass, the top K, the carried
-candidates) and a re-rank's window moves (`move_windows`) run Triton kernels registered as `torch.library` custom ops
+candidates), the unstable rows' attention over that ranking's own logits (`chosen_attention`) and a re-rank's window
+moves (`move_windows`) run Triton kernels registered as `torch.library` custom ops
 (`flexicache::<name>`, in `triton_ops.py`, imported only on first use so Triton stays optional), each one node of a
-compiled step. The other primitives (`page_mass`, `attention_from_logits`, `gather_pages`, `subpage_minmax`) are the
+compiled step. The other primitives (`page_mass`, `gather_pages`, `subpage_minmax`) are the
 PyTorch backend (`torch_backend.py`) on both.
 """
 
@@ -91,8 +92,11 @@ def attention(query, keys, values, bias, scaling, softcap=None, backend=None):
     return torch_backend.attention(query, keys, values, bias, scaling, softcap)
 
 
-def attention_from_logits(logits, values, backend=None):
-    return torch_backend.attention_from_logits(logits, values)
+def chosen_attention(logits, top, pages, starts, values, backend=None):
+    """See `torch_backend.chosen_attention`; on the Triton backend the `flexicache::chosen_attention` op (one launch)."""
+    if backend_for(values, backend) == "triton":
+        return _triton_ops().chosen_attention(logits, top, pages, starts, values)
+    return torch_backend.chosen_attention(logits, top, pages, starts, values)
 
 
 def gather_pages(tier, index, backend=None):

@@ -205,6 +205,20 @@ def attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bia
     return attention_from_logits(logits, values)
 
 
+def chosen_attention(logits: torch.Tensor, top: torch.Tensor, pages: torch.Tensor, starts: torch.Tensor,
+                     values: torch.Tensor) -> torch.Tensor:
+    """Attention of `m` rows over the pages a refined ranking chose, re-using its logits (the keys are not read again):
+    its logits `logits [n >= m, G, C, P]` at the chosen places `top [m, K]`, the values of the chosen pages
+    `pages [m, K]` read from the flat tier `values [tokens, Dv]` (pages of P tokens) at page `starts[i] + page`
+    -> `[m, G, Dv]` (`attention_from_logits`; the Triton backend's `flexicache::chosen_attention` in one launch)."""
+    m, k = top.shape
+    g, p = logits.shape[1], logits.shape[3]
+    at = (starts[:, None] + pages).view(-1)
+    chosen = values.view(-1, p, values.shape[1]).index_select(0, at).view(m, k * p, -1)
+    return attention_from_logits(logits[:m].gather(2, top[:, None, :, None].expand(m, g, k, p)).view(m, g, k * p),
+                                 chosen)
+
+
 def attention_from_logits(logits: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     """`softmax(logits) @ values` (softmax in fp32): `[n, G, M]`, `[n, M, Dv]` -> `[n, G, Dv]` in the values' dtype."""
     probs = torch.softmax(logits.float(), dim=-1)

@@ -1,7 +1,8 @@
 """Triton kernels of the decode step, registered as `torch.library` custom ops.
 
 Each op (`flexicache::page_scores`, `flexicache::attention`, `flexicache::append_token`, `flexicache::candidates`,
-`flexicache::page_logits`, `flexicache::choose`, `flexicache::move_windows`) has the contract of the `torch_backend`
+`flexicache::page_logits`, `flexicache::choose`, `flexicache::chosen_attention`, `flexicache::move_windows`) has the
+contract of the `torch_backend`
 function of the same name (read its docstring for the shapes) and a fake implementation (`register_fake`: output shape and dtype only, or nothing
 for the ops that only write), so `torch.compile(fullgraph=True)` keeps a call as one opaque node of the graph and never
 traces into Triton.
@@ -33,6 +34,8 @@ Numerics, as the PyTorch backend:
   tier; summed over the channels in one order whatever a token's place, so a token's logit is the same number
   whichever pages it is scored with (the backend fixes its products' shape for the same reason), to fp32 rounding of
   the backend's.
+- `chosen_attention`: `attention`'s online softmax and `p @ v` over a ranking's own fp32 logits of the pages it chose
+  (their values read in place): to rounding of the backend's softmax-then-product.
 - `choose`: the mass is the softmax over a row's candidate tokens per query head, in fp32 (online over blocks of
   pages, then the pages' sums over the heads): to fp32 rounding of the backend's (`page_mass`, a summation order of
   its own), NaN where a head has no finite logit, the score itself where it is infinite. The top K and the carried
@@ -171,6 +174,23 @@ def _page_scores_fake(query, meta, bias, subpages):
 # --------------------------------------------------------------------------------------------------
 
 @triton.jit
+def _online_softmax_step(s, v, m_i, l_i, acc, PV_FP32: tl.constexpr):
+    """One block of tokens of an online softmax: logits `s [BLOCK_G, BLOCK_N]` in the log2 domain (-inf where masked),
+    their values `v [BLOCK_N, BLOCK_DV]`; the running max `m_i`, sum `l_i` and output `acc` -> updated. `p @ v` with the
+    probabilities in the values' dtype (fp32 "ieee" dots where `PV_FP32`, see `_dot_fp32`)."""
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    # While a head has seen only masked tokens its max is -inf: shift by 0 so exp2 gives 0, not NaN.
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.math.exp2(s - m_use[:, None])
+    alpha = tl.math.exp2(m_i - m_use)
+    if PV_FP32:
+        pv = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision="ieee")
+    else:
+        pv = tl.dot(p.to(v.dtype), v)
+    return m_new, l_i * alpha + tl.sum(p, axis=1), acc * alpha[:, None] + pv
+
+
+@triton.jit
 def _attention_kernel(
     q_ptr, k_ptr, v_ptr, b_ptr, out_ptr, part_o_ptr, part_lse_ptr,
     G, D, DV, M, tokens_per_split,
@@ -235,20 +255,9 @@ def _attention_kernel(
                     mask=g_ok[:, None] & ok[None, :], other=0.0).to(tl.float32)
         s = tl.where(ok[None, :], (s + b) * 1.4426950408889634, float("-inf"))
 
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        # While a head has seen only masked tokens its max is -inf: shift by 0 so exp2 gives 0, not NaN.
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.math.exp2(s - m_use[:, None])
-        alpha = tl.math.exp2(m_i - m_use)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(v_ptr + row * stride_vn + tok[:, None] * stride_vm + offs_dv[None, :] * stride_vd,
                     mask=ok[:, None] & dv_ok[None, :], other=0.0)
-        if PV_FP32:
-            pv = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+        m_i, l_i, acc = _online_softmax_step(s, v, m_i, l_i, acc, PV_FP32)
 
     if SPLIT:
         o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
@@ -921,6 +930,101 @@ def _page_logits_fake(query, pages, rows, near, near_k, near_index, full_k, toke
 
 
 # --------------------------------------------------------------------------------------------------
+# Attention over a ranking's own logits
+# --------------------------------------------------------------------------------------------------
+
+@triton.jit
+def _chosen_attention_kernel(
+    logits_ptr, top_ptr, pages_ptr, starts_ptr, v_ptr, out_ptr,
+    G, K, DV,
+    stride_ln, stride_lg, stride_lc, stride_lp, stride_tn, stride_tk, stride_pn, stride_pk, stride_sn,
+    stride_vt, stride_vd, stride_on, stride_og, stride_od,
+    P: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    PV_FP32: tl.constexpr,
+):
+    """One program: one row's G query heads over its K chosen pages, BLOCK_K pages an iteration (slot j is token
+    j % BLOCK_P of page j // BLOCK_P): the ranking's logits of the chosen pages (`top`, their places among the
+    candidates) in an online softmax (log2 domain), the values read in place (`starts + pages`: pages of the flat
+    tier), `p @ v` with the probabilities in the values' dtype as `_attention_kernel`."""
+    row = tl.program_id(0).to(tl.int64)
+    BLOCK_T: tl.constexpr = BLOCK_K * BLOCK_P
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    offs_t = tl.arange(0, BLOCK_T)
+    tok = offs_t % BLOCK_P
+    g_ok = offs_g < G
+    dv_ok = offs_dv < DV
+    start = tl.load(starts_ptr + row * stride_sn).to(tl.int64)
+    m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_DV], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        j = k0 + offs_t // BLOCK_P
+        ok = (j < K) & (tok < P)
+        place = tl.load(top_ptr + row * stride_tn + j * stride_tk, mask=ok, other=0).to(tl.int64)
+        page = tl.load(pages_ptr + row * stride_pn + j * stride_pk, mask=ok, other=0).to(tl.int64)
+        s = tl.load(logits_ptr + row * stride_ln + offs_g[:, None] * stride_lg
+                    + (place * stride_lc + tok * stride_lp)[None, :], mask=g_ok[:, None] & ok[None, :],
+                    other=float("-inf")) * 1.4426950408889634
+        v = tl.load(v_ptr + ((start + page) * P + tok)[:, None] * stride_vt + offs_dv[None, :] * stride_vd,
+                    mask=ok[:, None] & dv_ok[None, :], other=0.0)
+        m_i, l_i, acc = _online_softmax_step(s, v, m_i, l_i, acc, PV_FP32)
+    o = acc / l_i[:, None]  # 0 / 0 = NaN for a fully masked head, as torch.softmax in the backend
+    tl.store(out_ptr + row * stride_on + offs_g[:, None] * stride_og + offs_dv[None, :] * stride_od,
+             o.to(out_ptr.dtype.element_ty), mask=g_ok[:, None] & dv_ok[None, :])
+
+
+def _check_chosen_attention(logits, top, pages, starts, values):
+    m, k = top.shape
+    if (logits.dim() != 4 or logits.shape[0] < m or tuple(pages.shape) != (m, k) or tuple(starts.shape) != (m,)
+            or values.dim() != 2):
+        raise ValueError(f"chosen_attention: logits [n >= m, G, C, P], top and pages [m, K], starts [m], values "
+                         f"[tokens, Dv]; got {tuple(logits.shape)}, {tuple(top.shape)}, {tuple(pages.shape)}, "
+                         f"{tuple(starts.shape)}, {tuple(values.shape)}")
+
+
+def _chosen_attention_launch(logits, top, pages, starts, values, out):
+    """`(args, constexprs, options)` of the `_chosen_attention_kernel` launch, one program a row; tokens a block and
+    warps as `_attention_kernel`'s (`_attention_blocks`)."""
+    g, p, dv = logits.shape[1], logits.shape[3], values.shape[1]
+    block_n, warps = _attention_blocks(dv, values.dtype == torch.float32)
+    block_p = triton.next_power_of_2(p)
+    args = dict(logits_ptr=logits, top_ptr=top, pages_ptr=pages, starts_ptr=starts, v_ptr=values, out_ptr=out, G=g,
+                K=top.shape[1], DV=dv, **_strides("l", "ngcp", logits.stride()), **_strides("t", "nk", top.stride()),
+                **_strides("p", "nk", pages.stride()), stride_sn=int(starts.stride(0)),
+                **_strides("v", "td", values.stride()), **_strides("o", "ngd", out.stride()))
+    constexprs = dict(P=p, BLOCK_P=block_p, BLOCK_K=max(1, block_n // block_p),
+                      BLOCK_G=max(16, triton.next_power_of_2(g)), BLOCK_DV=max(16, triton.next_power_of_2(dv)),
+                      PV_FP32=_dot_fp32(values.dtype))
+    return args, constexprs, dict(num_warps=warps)
+
+
+@torch.library.custom_op("flexicache::chosen_attention", mutates_args=())
+def chosen_attention(logits: torch.Tensor, top: torch.Tensor, pages: torch.Tensor, starts: torch.Tensor,
+                     values: torch.Tensor) -> torch.Tensor:
+    """Attention over a ranking's own logits of its chosen pages, in one launch (Triton); see
+    `torch_backend.chosen_attention`. -> `[m, G, Dv]` in the values' dtype."""
+    _check_chosen_attention(logits, top, pages, starts, values)
+    _check_device(logits, top, pages, starts, values)
+    m = top.shape[0]
+    out = torch.empty(m, logits.shape[1], values.shape[1], device=values.device, dtype=values.dtype)
+    if m:
+        args, constexprs, options = _chosen_attention_launch(logits, top, pages, starts, values, out)
+        _chosen_attention_kernel[(m,)](**args, **constexprs, **options)
+    return out
+
+
+@chosen_attention.register_fake
+def _chosen_attention_fake(logits, top, pages, starts, values):
+    _check_chosen_attention(logits, top, pages, starts, values)
+    return values.new_empty((top.shape[0], logits.shape[1], values.shape[1]))
+
+
+# --------------------------------------------------------------------------------------------------
 # A re-rank's window moves
 # --------------------------------------------------------------------------------------------------
 
@@ -1057,4 +1161,5 @@ def _move_windows_fake(pages, page, local, rows, full_k, full_v, win_k, win_v, w
     _check_move_windows(pages, page, local, rows, full_k, win_k, win_pages, num_pages, k)
 
 
-__all__ = ["append_token", "attention", "candidates", "choose", "move_windows", "page_logits", "page_scores"]
+__all__ = ["append_token", "attention", "candidates", "choose", "chosen_attention", "move_windows", "page_logits",
+           "page_scores"]

@@ -50,18 +50,18 @@ def test_device_side_difference_over_the_tolerance_fails(monkeypatch, case):
 
 def test_attention_slightly_off_fails_against_dense(monkeypatch):
     """Mutant: FlexiCache's decode attention 1% off everywhere, in both primitives a decode step attends with
-    (`attention` over gathered or windowed K/V, `attention_from_logits` over a ranking's own logits; the core calls them
+    (`attention` over gathered or windowed K/V, `chosen_attention` over a ranking's own logits; the core calls them
     through `fc_hf.kernels.dispatch`). The full-budget case compares with dense and fails from the first step; the
     low-budget ones compare with FlexiCache on the CPU, as wrong on both sides, and pass: only dense can see it."""
     calls = []
-    for name in ("attention", "attention_from_logits"):
+    for name in ("attention", "chosen_attention"):
         def off(*a, _real=getattr(dispatch, name), _name=name, **k):
             calls.append(_name)
             return _real(*a, **k) * 1.01
 
         monkeypatch.setattr(dispatch, name, off)
     result = bench_gpu.sanity("cpu", config=_config(), **SMALL)
-    assert set(calls) == {"attention", "attention_from_logits"}  # the step attends through both
+    assert set(calls) == {"attention", "chosen_attention"}  # the step attends through both
     assert not result["ok"] and not result["full"]["ok"] and result["full"]["first_bad_step"] == 1
     assert result["low"]["ok"] and result["low-deferred"]["ok"]
 

@@ -562,11 +562,12 @@ def test_page_logits_matches_backend_and_is_the_same_number_in_any_company(trito
 
 
 @kernels_here
-def test_verification_blocks_are_the_loop_with_candidates_and_logits_from_the_ops(triton_ops, monkeypatch):
-    """With refinement's candidates, logits and choice from the ops (`flexicache::candidates`, `page_logits`,
-    `choose`), a verification block's rankings are still its loop's: every mark, the state after every crop, the outputs (a later
-    round of `rank_block` computes only its new candidates' logits, `_logits_again`, so the op must give a token's
-    logit in any company)."""
+def test_verification_blocks_are_the_loop_with_refinement_and_attention_from_the_ops(triton_ops, monkeypatch):
+    """With refinement's candidates, logits and choice and the unstable rows' attention from the ops
+    (`flexicache::candidates`, `page_logits`, `choose`, `chosen_attention`), a verification block's rankings are still
+    its loop's: every mark, the state after every crop, the outputs (a later round of `rank_block` computes only its
+    new candidates' logits, `_logits_again`, so the op must give a token's logit in any company)."""
+    import fc_hf.decode as decode
     import fc_hf.selection as selection
     from test_batched_verify import CONFIGS, _assert_same_marks, _caches
     from test_speculative import _forward, _prefill, assert_same_state
@@ -575,7 +576,7 @@ def test_verification_blocks_are_the_loop_with_candidates_and_logits_from_the_op
 
     class OpsForRefinement:  # refinement's ops on the Triton backend; every other primitive the PyTorch path
         def __getattr__(self, name):
-            if name in ("candidates", "page_logits", "choose"):
+            if name in ("candidates", "page_logits", "choose", "chosen_attention"):
                 return lambda *args, backend=None: launches.append(name) or getattr(dispatch, name)(*args,
                                                                                                    backend="triton")
             return getattr(dispatch, name)
@@ -585,6 +586,7 @@ def test_verification_blocks_are_the_loop_with_candidates_and_logits_from_the_op
             return "triton"
 
     monkeypatch.setattr(selection, "kernels", OpsForRefinement())
+    monkeypatch.setattr(decode, "kernels", OpsForRefinement())  # the token writes too (`append_token`, exact)
     block, loop, (keys, values), queries = _caches(CONFIGS["variants"], seed=3)
     for cache in (block, loop):
         _prefill(cache, keys[:, :, :30], values[:, :, :30])
@@ -603,7 +605,7 @@ def test_verification_blocks_are_the_loop_with_candidates_and_logits_from_the_op
             cache.crop(keep - t)
         length += keep
         assert_same_state(block, loop)
-    assert min(launches.count(name) for name in ("candidates", "page_logits", "choose")) > 20
+    assert min(launches.count(name) for name in ("candidates", "page_logits", "choose", "chosen_attention")) > 20
     assert block.stats()["pages_promoted"] > 0
 
 
@@ -695,6 +697,44 @@ def test_choose_matches_backend_and_selector(triton_ops, n, g, c, p, k, carry, w
         _same_carried(carried, own)
     else:  # the selector's state is 2 carry wide
         _same_carried(tuple(x[:, : 2 * carry] for x in carried), own)
+
+
+# --------------------------------------------------------------------------------------------------
+# Attention over a ranking's own logits
+# --------------------------------------------------------------------------------------------------
+
+@kernels_here
+@pytest.mark.parametrize("m, g, c, k, p, dv, dtype", [
+    (3, 3, 16, 8, 16, 64, torch.float32), (2, 8, 40, 20, 4, 128, torch.bfloat16), (4, 1, 9, 5, 6, 40, torch.float32),
+    (2, 4, 70, 33, 16, 64, torch.bfloat16), (2, 2, 3, 3, 1, 16, torch.float16)])
+def test_chosen_attention_matches_backend_and_fp64(triton_ops, m, g, c, k, p, dv, dtype):
+    """The unstable rows' attention over a ranking's own logits: the chosen places in any order, the values read in
+    place at each row's start in a flat tier, more pages than one block (K = 33 of 16 tokens), pages of a size that is
+    not a power of two, masked tokens and whole pages; NaN where a head has no attendable chosen token (row 0's last
+    head), as the backend; within `attention`'s tolerance of fp64 and no worse than the backend."""
+    gen = torch.Generator().manual_seed(m * c + k)
+    per_row = c + 3
+    logits = (torch.randn(m + 1, g, c, p, generator=gen) * 3).masked_fill(
+        torch.rand(m + 1, g, c, p, generator=gen) < 0.2, float("-inf"))
+    top = torch.rand(m, c, generator=gen).argsort(dim=1)[:, :k]
+    logits[:, :, top[0, 0]] = float("-inf")  # a chosen page never attendable
+    logits[0, g - 1] = float("-inf")
+    pages = torch.randint(0, per_row, (m, k), generator=gen)
+    starts = torch.randint(0, 5, (m,), generator=gen) * per_row
+    values = torch.randn(5 * per_row * p, dv, generator=gen).to(dtype)
+    dev = [t.to(DEVICE) for t in (logits, top, pages, starts, values)]
+    out = triton_ops.chosen_attention(*dev).cpu()
+    ref = torch_backend.chosen_attention(logits, top, pages, starts, values)
+    exact = torch_backend.chosen_attention(logits.double(), top, pages, starts, values.double())
+    assert out.shape == (m, g, dv) and out.dtype == dtype
+    assert torch.equal(torch.isnan(out), torch.isnan(ref)) and torch.isnan(out[0, g - 1]).all()
+    assert not torch.isnan(out[1:]).any() and not torch.isinf(out).any()
+    err, err_ref = _finite_err(out, exact), _finite_err(ref, exact)
+    _record("chosen_attention, Triton vs float64", dtype, err)
+    ulp = torch.finfo(dtype).eps * exact.nan_to_num().abs().max().item()
+    assert err <= TOL[dtype] and err <= 2 * err_ref + ulp, f"Triton {err:.2e}, backend {err_ref:.2e}"
+    # opcheck compares repeated runs: rows 1.. (no NaN)
+    torch.library.opcheck(torch.ops.flexicache.chosen_attention.default, tuple(t[1:] for t in dev[:4]) + (dev[4],))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -965,6 +1005,9 @@ for dt in (torch.bfloat16, torch.float32):
                                              torch.empty(16, 64), long(16, 64))
             build(ops._candidates_kernel, a, c, o, f"candidates, {pages} pages" + (" (no spill)" if pages < 8192
                                                                                    else ""))
+    a, c, o = ops._chosen_attention_launch(torch.empty(16, 4, 128, 16), long(16, 64), long(16, 64), long(16),
+                                           torch.empty(4096, 128, dtype=dt), torch.empty(16, 4, 128, dtype=dt))
+    build(ops._chosen_attention_kernel, a, c, o, f"chosen_attention {bits}")
     _, a, c = ops._page_logits_launch(q, long(16, 64), long(16), 4, torch.empty(4, 2048, 128, dtype=dt), long(16),
                                       torch.empty(16, 2048, 128, dtype=dt), torch.empty(2, 129, 16), long(16), 0.1,
                                       torch.empty(16, 4, 64, 16))
