@@ -156,3 +156,19 @@ def test_comparison_table_puts_before_and_after_side_by_side(tiny):
     # Halved (to the table's one decimal), and the ratios are to each run's own dense.
     assert abs(float(cells[4]) - 2 * float(cells[5])) <= 0.1 + 1e-9 and float(cells[4]) != float(cells[5])
     assert cells[6] == cells[7]
+
+
+def test_on_the_triton_path_refinement_and_its_attention_are_the_ops():
+    """Counted on the Triton path (a worker under the interpreter, as `--ops-backends triton`): FlexiCache's decode
+    steps refine and attend the unstable rows through the ops (`flexicache::candidates`, `page_logits`, `choose`,
+    `chosen_attention`), one launch each per ranking, and issue none of the PyTorch path's ops for them (top-k, sort,
+    the carried raise, the logits' product, softmax, the product with the values); no step syncs with the host."""
+    pytest.importorskip("triton")
+    spec = {"shape": "tiny", "backend": "triton", "methods": ["flexicache"], "budget": BUDGET, "prompt": PROMPT,
+            "steps": STEPS, "unstable_fraction": 0.25, "options": {}}
+    (case,) = bench_ops._run_worker(spec, timeout=600)
+    fused = {"_candidates_kernel", "_page_logits_kernel", "_choose_kernel"}
+    for step in case["steps"]:
+        assert not {"topk", "sort", "scatter_reduce", "baddbmm", "_softmax", "bmm"} & set(step["by_op"]), step["by_op"]
+        assert fused <= set(step["triton"]) and len({step["triton"][name] for name in fused}) == 1, step["triton"]
+        assert step["triton"].get("_chosen_attention_kernel") and not step["syncs"]
