@@ -82,30 +82,6 @@ def _halves(device) -> tuple[torch.Tensor, torch.Tensor]:
     return _HALVES[device]
 
 
-def candidate_mass(query: torch.Tensor, keys: torch.Tensor, bias: torch.Tensor, scores: torch.Tensor, scaling: float,
-                   page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Refinement's ranking key: the exact attention mass of each candidate page among the candidates' tokens.
-
-    Per query head the softmax of `scaling * q . k` over every candidate token (fp32, `bias` added: -inf where a token
-    may not be attended), summed per page, averaged over the group. A candidate whose `scores` entry is infinite keeps
-    it (+inf: forced, first; -inf: never attendable, last).
-
-    Args:
-        query (`torch.Tensor` of shape `[n, G, D]`).
-        keys (`torch.Tensor` of shape `[n, C * P, D]`): the candidates' keys, page after page.
-        bias (`torch.Tensor` of shape `[n, C * P]`): 0 or -inf per token.
-        scores (`torch.Tensor` of shape `[n, C]`): the candidates' page scores.
-        scaling (`float`): the model's softmax scale.
-        page_size (`int`): P.
-
-    Returns:
-        `(mass [n, C], logits [n, G, C, P])`: the logits (scaled, masked, fp32) for the step's attention to re-use.
-    """
-    n, g, _ = query.shape
-    logits = candidate_logits(query, keys, bias, scaling, page_size).view(n, g, -1, page_size)
-    return page_mass(logits, scores), logits
-
-
 def candidates(scores: torch.Tensor, carried_pages: torch.Tensor | None, carried_scores: torch.Tensor | None,
                count: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Refinement's candidates: the `count` best of the page scores `scores [n, pages]`, a carried page
@@ -125,10 +101,12 @@ LOGIT_PAGES = 16  # pages per product of `candidate_logits`
 
 def candidate_logits(query: torch.Tensor, keys: torch.Tensor, bias: torch.Tensor, scaling: float,
                      page_size: int) -> torch.Tensor:
-    """`candidate_mass`'s logits alone: `[n, G, D]`, `[n, C * P, D]`, `[n, C * P]` -> `[n, G, C * P]` (scaled, masked,
-    fp32). Computed `LOGIT_PAGES` pages per matrix product, the last padded: every product has one shape, so a token's
-    logit is the same number whichever other candidates it is scored with (a BLAS may round a product's edge columns
-    otherwise), and a verification block's later rounds compute only their new candidates' (`PageSelector`)."""
+    """Refinement's logits: `scaling * q . k + bias` of every candidate token, `[n, G, D]`, `[n, C * P, D]` (the
+    candidates' keys, page after page), `[n, C * P]` (0 or -inf per token) -> `[n, G, C * P]` (fp32; `page_logits` reads
+    the keys and bias in place, the step's attention re-uses the logits). Computed `LOGIT_PAGES` pages per matrix
+    product, the last padded: every product has one shape, so a token's logit is the same number whichever other
+    candidates it is scored with (a BLAS may round a product's edge columns otherwise), and a verification block's later
+    rounds compute only their new candidates' (`PageSelector`)."""
     n, m, d = keys.shape
     g = query.shape[1]
     span = LOGIT_PAGES * page_size
@@ -176,7 +154,10 @@ def page_logits(query: torch.Tensor, pages: torch.Tensor, rows: torch.Tensor, ne
 
 
 def page_mass(logits: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-    """`candidate_mass`'s key from its logits `[n, G, C, P]` and the candidates' page `scores [n, C]` -> `[n, C]`."""
+    """Refinement's ranking key: the exact attention mass of each candidate page among the candidates' tokens, from
+    their logits `[n, G, C, P]` (`candidate_logits`) and the candidates' page `scores [n, C]` -> `[n, C]`. Per query
+    head the softmax over every candidate token, summed per page, averaged over the group. A candidate whose score is
+    infinite keeps it (+inf: forced, first; -inf: never attendable, last)."""
     n, g, c, p = logits.shape
     mass = torch.softmax(logits.view(n, g, c * p), dim=-1).view(n, g, c, p).sum(-1).mean(1)
     return torch.where(torch.isinf(scores), scores, mass)
