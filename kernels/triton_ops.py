@@ -52,7 +52,13 @@ import torch
 import triton
 import triton.language as tl
 
-_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+BACKEND = "triton"  # the name `dispatch` routes by
+OPS_NAMESPACE = "flexicache"  # torch.ops.flexicache.<name>
+
+from .contracts import (check_append_token as _check_append_token, check_attention as _check_attention,
+                        check_candidates as _check_candidates, check_choose as _check_choose,
+                        check_chosen_attention as _check_chosen_attention, check_move_windows as _check_move_windows,
+                        check_page_logits as _check_page_logits, check_page_scores as _check_page_scores)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -131,21 +137,6 @@ def _page_scores_launch(query, meta, bias, subpages, out):
     constexprs = dict(S=subpages, S_PAD=s_pad, BLOCK_PAGES=block_pages, BLOCK_G=max(16, triton.next_power_of_2(g)),
                       BLOCK_C=max(16, min(64, triton.next_power_of_2(2 * d))))
     return (n, triton.cdiv(pages, block_pages)), args, constexprs, dict(num_warps=8)
-
-
-def _check_page_scores(query, meta, bias, subpages):
-    if query.dim() != 3 or meta.dim() != 3 or bias.dim() != 2:
-        raise ValueError(f"page_scores: query [n, G, D], meta [n, 2D, E], bias [n, E]; got {tuple(query.shape)}, "
-                         f"{tuple(meta.shape)}, {tuple(bias.shape)}")
-    n, _, d = query.shape
-    if meta.shape[0] != n or meta.shape[1] != 2 * d or tuple(bias.shape) != (n, meta.shape[2]):
-        raise ValueError(f"page_scores: shapes do not match: query {tuple(query.shape)}, meta {tuple(meta.shape)}, "
-                         f"bias {tuple(bias.shape)}")
-    if subpages < 1 or meta.shape[2] % subpages:
-        raise ValueError(f"page_scores: subpages ({subpages}) must divide the entries ({meta.shape[2]})")
-    for name, t in (("query", query), ("meta", meta), ("bias", bias)):
-        if t.dtype not in _FLOATS:
-            raise TypeError(f"page_scores: {name} must be fp32, fp16 or bf16, got {t.dtype}")
 
 
 @torch.library.custom_op("flexicache::page_scores", mutates_args=())
@@ -377,22 +368,6 @@ def _attention_launches(query, keys, values, bias, scaling, softcap, out, target
     return launches
 
 
-def _check_attention(query, keys, values, bias):
-    if query.dim() != 3 or keys.dim() != 3 or values.dim() != 3 or bias.dim() not in (2, 3):
-        raise ValueError(f"attention: query [n, G, D], keys [n, M, D], values [n, M, Dv], bias [n, M] or [n, G, M]; "
-                         f"got {tuple(query.shape)}, {tuple(keys.shape)}, {tuple(values.shape)}, {tuple(bias.shape)}")
-    n, g, d = query.shape
-    m = keys.shape[1]
-    expected_bias = (n, m) if bias.dim() == 2 else (n, g, m)
-    if (keys.shape[0] != n or keys.shape[2] != d or tuple(values.shape[:2]) != (n, m)
-            or tuple(bias.shape) != expected_bias):
-        raise ValueError(f"attention: shapes do not match: query {tuple(query.shape)}, keys {tuple(keys.shape)}, "
-                         f"values {tuple(values.shape)}, bias {tuple(bias.shape)}")
-    for name, t in (("query", query), ("keys", keys), ("values", values), ("bias", bias)):
-        if t.dtype not in _FLOATS:
-            raise TypeError(f"attention: {name} must be fp32, fp16 or bf16, got {t.dtype}")
-
-
 def _check_device(*tensors):
     first = tensors[0].device
     if any(t.device != first for t in tensors):
@@ -489,21 +464,6 @@ def _append_token_kernel(
     tl.store(entry + (D + offs_d) * stride_mc, low.to(meta_ptr.dtype.element_ty), mask=d_ok)
     if row == 0:
         tl.atomic_add(len_ptr, 1)
-
-
-def _check_append_token(keys, values, full_k, full_v, meta, win_k, win_v, near_k, near_v, subpage_len):
-    n, d = keys.shape
-    if values.shape[0] != n or full_k.shape[0] != n or full_v.shape[0] != n or meta.shape[:2] != (n, 2 * d):
-        raise ValueError(f"append_token: keys [n, D], values [n, Dv], full tiers [n, C, *], meta [n, 2D, E]; got "
-                         f"{tuple(keys.shape)}, {tuple(values.shape)}, {tuple(full_k.shape)}, {tuple(meta.shape)}")
-    if full_k.shape[1] % subpage_len or meta.shape[2] != full_k.shape[1] // subpage_len:
-        raise ValueError(f"append_token: {meta.shape[2]} MinMax entries of {subpage_len} tokens do not cover the "
-                         f"capacity {full_k.shape[1]}")
-    for name, t in (("win_k", win_k), ("win_v", win_v)):
-        if t.shape[0] > 1 and t.shape[1] and t.stride(0) != t.shape[1] * t.stride(1):  # (no window: nothing written)
-            raise ValueError(f"append_token: {name} must be flat-indexable over its first two dims (contiguous rows)")
-    if (near_k.numel() == 0) != (near_v.numel() == 0):
-        raise ValueError("append_token: near_k and near_v are both given or both empty")
 
 
 @torch.library.custom_op("flexicache::append_token", mutates_args=("length", "full_k", "full_v", "meta", "win_k",
@@ -668,18 +628,6 @@ def _choose_kernel(
         tl.store(cscores_ptr + row * stride_qn + offs_w * stride_qw, scores, mask=w_ok)
 
 
-def _check_choose(logits, scores, cand, page, k, carry, pages_out, scores_out):
-    n, g, c, p = logits.shape if logits.dim() == 4 else (None,) * 4
-    if (logits.dim() != 4 or tuple(scores.shape) != (n, c) or tuple(cand.shape) != (n, c)
-            or pages_out.shape != scores_out.shape or pages_out.dim() != 2 or pages_out.shape[0] != n):
-        raise ValueError(f"choose: logits [n, G, C, P], scores and cand [n, C], pages_out and scores_out [n, W]; got "
-                         f"{tuple(logits.shape)}, {tuple(scores.shape)}, {tuple(cand.shape)}, "
-                         f"{tuple(pages_out.shape)}, {tuple(scores_out.shape)}")
-    if not 0 < k <= c or not 0 <= carry <= c or pages_out.shape[1] < 2 * carry or page.numel() not in (1, n):
-        raise ValueError(f"choose: K {k} and carry {carry} of {c} candidates, carried into {pages_out.shape[1]} "
-                         f"places, page of {page.numel()} entries (one, or one per row)")
-
-
 def _choose_launch(logits, scores, cand, page, k, carry, score, pages_out, scores_out, mass, top, chosen):
     """`(args, constexprs)` of the `_choose_kernel` launch, one program a row; the mass about 1024 tokens a block."""
     n, g, c, p = logits.shape
@@ -765,15 +713,6 @@ def _raised_scores(scores_ptr, cpages_ptr, cscores_ptr, row, offs, ok, W, stride
         score = tl.load(cscores_ptr + row * stride_csn + j * stride_csw)
         raised = tl.where(offs == page, tl.maximum(raised, score), raised)
     return raised
-
-
-def _check_candidates(scores, carried_pages, carried_scores, count):
-    n, pages = scores.shape
-    if carried_pages.shape != carried_scores.shape or carried_pages.dim() != 2 or carried_pages.shape[0] != n:
-        raise ValueError(f"candidates: scores [n, pages], carried pages and scores [n, W]; got {tuple(scores.shape)}, "
-                         f"{tuple(carried_pages.shape)}, {tuple(carried_scores.shape)}")
-    if not 0 < count <= pages:
-        raise ValueError(f"candidates: {count} candidates of {pages} pages")
 
 
 def _candidates_launch(scores, carried_pages, carried_scores, count, out_scores, out_pages):
@@ -872,20 +811,6 @@ def _page_logits_kernel(
     tl.store(out, logits, mask=g_ok[:, None] & t_ok[None, :])
 
 
-def _check_page_logits(query, pages, rows, near, near_k, near_index, full_k, tokens, seq):
-    n, c = pages.shape
-    p = tokens.shape[2] if tokens.dim() == 3 else 0
-    if (query.dim() != 3 or query.shape[0] != n or tuple(rows.shape) != (n,) or full_k.dim() != 3 or near_k.dim() != 3
-            or tokens.dim() != 3 or not p or full_k.shape[1] % p or near_k.shape[1:] != full_k.shape[1:]
-            or full_k.shape[2] != query.shape[2] or (seq is not None and tuple(seq.shape) != (n,))):
-        raise ValueError(f"page_logits: query [n, G, D], pages [n, C], rows and seq [n], near_k and full_k [*, T, D], "
-                         f"tokens [B, T / P + 1, P]; got {tuple(query.shape)}, {tuple(pages.shape)}, "
-                         f"{tuple(rows.shape)}, {None if seq is None else tuple(seq.shape)}, {tuple(near_k.shape)}, "
-                         f"{tuple(full_k.shape)}, {tuple(tokens.shape)}")
-    if not 0 <= near <= n:
-        raise ValueError(f"page_logits: near ({near}) must be within the {n} rows")
-
-
 def _page_logits_launch(query, pages, rows, near, near_k, near_index, full_k, tokens, seq, scaling, out):
     """`(grid, args, constexprs)` of the `_page_logits_kernel` launch: about 64 tokens and 16 channels a chunk."""
     n, c = pages.shape
@@ -976,15 +901,6 @@ def _chosen_attention_kernel(
     o = acc / l_i[:, None]  # 0 / 0 = NaN for a fully masked head, as torch.softmax in the backend
     tl.store(out_ptr + row * stride_on + offs_g[:, None] * stride_og + offs_dv[None, :] * stride_od,
              o.to(out_ptr.dtype.element_ty), mask=g_ok[:, None] & dv_ok[None, :])
-
-
-def _check_chosen_attention(logits, top, pages, starts, values):
-    m, k = top.shape
-    if (logits.dim() != 4 or logits.shape[0] < m or tuple(pages.shape) != (m, k) or tuple(starts.shape) != (m,)
-            or values.dim() != 2):
-        raise ValueError(f"chosen_attention: logits [n >= m, G, C, P], top and pages [m, K], starts [m], values "
-                         f"[tokens, Dv]; got {tuple(logits.shape)}, {tuple(top.shape)}, {tuple(pages.shape)}, "
-                         f"{tuple(starts.shape)}, {tuple(values.shape)}")
 
 
 def _chosen_attention_launch(logits, top, pages, starts, values, out):
@@ -1125,17 +1041,6 @@ def _move_windows_launch(pages, page, local, rows, full_k, full_v, win_k, win_v,
                       BLOCK_D=triton.next_power_of_2(full_k.shape[2]),
                       BLOCK_DV=triton.next_power_of_2(full_v.shape[2]), COUNT=count)
     return args, constexprs
-
-
-def _check_move_windows(pages, page, local, rows, full_k, win_k, win_pages, num_pages, k):
-    n = pages.shape[0]
-    if local.shape != (n,) or rows.shape != (n,) or page.numel() not in (1, n) or pages.shape[1] > k:
-        raise ValueError(f"move_windows: pages [n, <= K], local and rows [n], page one or [n]; got "
-                         f"{tuple(pages.shape)}, {tuple(local.shape)}, {tuple(rows.shape)}, {tuple(page.shape)}")
-    w = win_pages.shape[1]
-    if w < k or win_k.shape[1] != w * (full_k.shape[1] // num_pages) or full_k.shape[1] % num_pages:
-        raise ValueError(f"move_windows: windows of {w} pages ({win_k.shape[1]} tokens) for K = {k} and a full tier of "
-                         f"{full_k.shape[1]} tokens in {num_pages} pages")
 
 
 @torch.library.custom_op("flexicache::move_windows", mutates_args=("win_k", "win_v", "win_pages", "win_shift",
