@@ -119,11 +119,24 @@ def paired_trees(this: Path, other: Path, spec: dict) -> dict:
     read = {side: _finish(proc) for side, proc in procs.items()}
     med = {side: statistics.median(t) for side, t in times.items()}
     mean = {side: statistics.fmean(t) for side, t in times.items()}  # decode throughput: re-rank stalls included
+    low, high = _ratio_of_means_interval(times["other"], times["this"])
     return {**spec, "other_median_ms": med["other"], "this_median_ms": med["this"],
+            "ratio_of_means_95": (low, high),
             "ratio_of_medians": med["this"] / med["other"],
             "other_mean_ms": mean["other"], "this_mean_ms": mean["this"], "ratio_of_means": mean["this"] / mean["other"],
             "median_step_ratio": statistics.median(b / a for a, b in zip(times["other"], times["this"])),
             "this_bytes_read_per_step": read["this"]}
+
+
+def _ratio_of_means_interval(other: list, this: list, draws: int = 2000) -> tuple:
+    """A 95% bootstrap interval of mean(this) / mean(other), resampling the ABBA pairs (step i of each side together),
+    so load that hit both sides of a pair stays paired."""
+    import random
+
+    rng, n = random.Random(0), len(this)
+    ratios = sorted(sum(this[j] for j in pick) / sum(other[j] for j in pick)
+                    for pick in ([rng.randrange(n) for _ in range(n)] for _ in range(draws)))
+    return ratios[int(0.025 * draws)], ratios[int(0.975 * draws) - 1]
 
 
 def main(argv=None) -> None:
@@ -141,7 +154,8 @@ def main(argv=None) -> None:
 
     this, other = Path(__file__).resolve().parents[2], Path(args.other).resolve()
     rows = ["| context | batch | other median (ms) | this median (ms) | ratio of medians | median step ratio | other mean "
-            "(ms) | this mean (ms) | ratio of means | this: bytes read per step (MB) |", "|---|---|---|---|---|---|---|---|---|---|"]
+            "(ms) | this mean (ms) | ratio of means (95% interval) | this: bytes read per step (MB) |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
     for length in parse_sizes(args.lengths):
         for batch in parse_sizes(args.batches):
             spec = {"model": args.model, "length": length, "batch": batch, "budget": args.budget,
@@ -149,7 +163,8 @@ def main(argv=None) -> None:
             r = paired_trees(this, other, spec)
             rows.append(f"| {length // 1024}k | {batch} | {r['other_median_ms']:.1f} | {r['this_median_ms']:.1f} | "
                         f"{r['ratio_of_medians']:.3f}× | {r['median_step_ratio']:.3f}× | {r['other_mean_ms']:.1f} | "
-                        f"{r['this_mean_ms']:.1f} | {r['ratio_of_means']:.3f}× | "
+                        f"{r['this_mean_ms']:.1f} | {r['ratio_of_means']:.3f}× ({r['ratio_of_means_95'][0]:.3f}-"
+                        f"{r['ratio_of_means_95'][1]:.3f}) | "
                         f"{(r['this_bytes_read_per_step'] or float('nan')) / 1e6:.2f} |")
             print(rows[-1], flush=True)
     table = (f"This tree ({this.name}) against {other.name}, {args.model}, budget {args.budget}, {args.steps} steps "
