@@ -41,7 +41,8 @@ class FlexiCacheConfig:
         carry_pages (`int`, *optional*, defaults to max(1, K // 8)): each refined ranking carries its pages of most
             exact mass, and the page after each, into the next ranking's candidates whatever their bound then (a copy
             head keeps the page it reads when a new query's loose bound drops it: docs/eval/misses.md). 0: off.
-        backend (`str`, *optional*): "torch" or "triton" forces a kernel backend; None picks by device.
+        backend (`str`, *optional*): "torch", "triton" or "native" (C++ CPU kernels) forces a kernel backend; None
+            picks by device (Triton on CUDA, the C++ kernels on a CPU where they build, else PyTorch).
         warmup_steps (`int`, *optional*, defaults to 64): `profile="auto"` only: decode steps every head is unstable
             while the cache records their selections before it classifies them (a multiple of `rerank_interval`); 0
             classifies before the first decode step from the prompt's last queries.
@@ -85,8 +86,9 @@ class FlexiCacheConfig:
             raise ValueError(f"FlexiCacheConfig.promotion must be one of {PROMOTION_MODES}, got {self.promotion!r}.")
         if self.max_device_pages is not None:
             positive_int("max_device_pages", self.max_device_pages)
-        if self.backend not in (None, "torch", "triton"):
-            raise ValueError(f"FlexiCacheConfig.backend must be None, 'torch' or 'triton', got {self.backend!r}.")
+        if self.backend not in (None, "torch", "triton", "native"):
+            raise ValueError(f"FlexiCacheConfig.backend must be None, 'torch', 'triton' or 'native', got "
+                             f"{self.backend!r}.")
         positive_int("streaming_sink_pages", self.streaming_sink_pages)
         if self.streaming_heads and self.streaming_sink_pages >= k:
             raise ValueError("FlexiCacheConfig.streaming_sink_pages must be smaller than token_budget // page_size.")

@@ -73,12 +73,12 @@ def append(layer, key: torch.Tensor, value: torch.Tensor, ctx: DecodeContext) ->
     n, d, dv = store.n, store.head_dim, store.value_dim
     pos = ctx.position
     keys, values = key.reshape(n, d), value.reshape(n, dv)
-    if kernels.backend_for(keys, layer.cfg.backend) == "triton":  # every write below in one launch
+    if fused := kernels.fused(keys, layer.cfg.backend):  # every write below in one call
         near = ((store.near_k, store.near_v) if store.near_apart  # else none: the full tier holds the near rows
                 else (keys.new_empty(0, 1, d), values.new_empty(0, 1, dv)))
         kernels.append_token(keys, values, pos, store.length_t, store.full_k, store.full_v, store.meta,
                              store.rows.kind_place, store.win_k, store.win_v, store.win_shift, store.rows.stable_local,
-                             *near, store.rows.near_place, store.page_size // store.subpages, backend="triton")
+                             *near, store.rows.near_place, store.page_size // store.subpages, backend=fused)
         return
     at = ctx.token_slots(layer.row_starts, store.capacity)
     store.full_k.view(-1, d).index_copy_(0, at, keys)

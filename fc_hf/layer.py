@@ -17,6 +17,7 @@ from transformers.cache_utils import CacheLayerMixin
 
 from . import decode
 from .errors import FlexiCacheError
+from .kernels import dispatch as kernels
 from .rows import HeadKinds
 from .schedule import phase_of, phase_range, ranked_rows, rows_per_step
 from .selection import PageSelector
@@ -129,6 +130,8 @@ class FlexiCacheLayer(VerifiedDecoding, CacheLayerMixin):
                 "cannot serve it. The cache is still empty."
             )
         self.device, self.dtype = key_states.device, key_states.dtype
+        kernels.backend_for(key_states, self.cfg.backend)  # loads (first time: builds) the C++ kernels here, never while
+        # a compiled step is being traced
         self.batch, self.head_dim, self.value_dim = key_states.shape[0], key_states.shape[-1], value_states.shape[-1]
         self._build(self.batch, self.owner.capacity_for(key_states.shape[2], self.batch))
         self.is_initialized = True

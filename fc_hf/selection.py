@@ -179,12 +179,12 @@ class PageSelector:
             logits = self._logits(query, real, seq, cand, store, bias, scaling, near)
         else:
             logits = self._logits_again(query, real, seq, cand, *known, store, bias, scaling)
-        if kernels.backend_for(logits, self.cfg.backend) == "triton":  # the mass, top K and carried out in one launch
+        if fused := kernels.fused(logits, self.cfg.backend):  # the mass, top K and carried out in one call
             n, carry = cand.shape[0], min(self.carry, cand.shape[1])
             out = into if into is not None else (self.carried_pages.new_empty(n, self.carried_pages.shape[1]),
                                                  self.carried_scores.new_empty(n, self.carried_scores.shape[1]))
             _, top, pages = kernels.choose(logits, cand_scores, cand, page, k, carry, CARRIED_SCORE, *out,
-                                           backend="triton")
+                                           backend=fused)
             return Ranking(pages, top, logits, cand), out if self.carry else None
         mass = kernels.page_mass(logits, cand_scores)
         out = self._carry_out(cand, mass, page, into) if self.carry else None

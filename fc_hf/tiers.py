@@ -65,10 +65,10 @@ def move_windows(store, local: torch.Tensor, rows: torch.Tensor, pages: torch.Te
     pages not resident before to `promoted` (a device counter). `span`: `local` is the stable rows `[start, end)`,
     known on the host (an eager step)."""
     k, p = store.cfg.pages_per_head, store.page_size
-    if kernels.backend_for(pages, store.cfg.backend) == "triton":  # all of the below in one launch
+    if fused := kernels.fused(pages, store.cfg.backend):  # all of the below in one call
         kernels.move_windows(pages, page, local, rows, store.full_k, store.full_v, store.win_k, store.win_v,
                              store.win_pages, store.win_shift, store.win_base, store.win_bias_rows,
-                             store.rows.stable_batch, promoted, store.pages, k, store.host_tier, backend="triton")
+                             store.rows.stable_batch, promoted, store.pages, k, store.host_tier, backend=fused)
         return
     window, source, present = plan_windows(store, pages, page)
     if store.host_tier:  # without a host tier (offload off) a window is filled from device memory: no promotion

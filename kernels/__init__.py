@@ -4,9 +4,11 @@ Installed as `fc_hf.kernels` (the repository folder is `kernels/`; see pyproject
 
 | module | what it owns |
 |---|---|
-| `dispatch.py` | the decode step's primitives as the core calls them: the PyTorch backend, or a Triton kernel where one serves (`FLEXICACHE_BACKEND=torch|triton` forces either) |
+| `dispatch.py` | the decode step's primitives as the core calls them: the PyTorch backend, or a fused kernel (Triton on a GPU, C++ on a CPU) where one serves (`FLEXICACHE_BACKEND=torch|triton|native` forces one) |
 | `triton_ops.py` | the Triton kernels of `page_scores`, `attention`, a decode token's writes, refinement's candidates, their logits with the keys read in place, refinement's choice (mass, top K, carried candidates), the attention over a ranking's own logits and a re-rank's window moves, registered as `torch.library` custom ops (`flexicache::page_scores`, `flexicache::attention`, `flexicache::append_token`, `flexicache::candidates`, `flexicache::page_logits`, `flexicache::choose`, `flexicache::chosen_attention`, `flexicache::move_windows`) with fake implementations; imported by `dispatch.py` on first use only (Triton is optional) |
-| `torch_backend.py` | the PyTorch implementation: the CPU production path and the reference the Triton kernels are tested against |
+| `native_ops.py` | the same fused ops in C++ for CPU tensors (`csrc/native_ops.cpp`, compiled on first use; `flexicache_cpu::<name>`), the CPU default; where they cannot be built the PyTorch backend serves |
+| `contracts.py` | the fused ops' argument checks, shared by `triton_ops.py` and `native_ops.py` |
+| `torch_backend.py` | the PyTorch implementation: the CPU path where the C++ kernels do not build, and the reference the fused kernels are tested against |
 | `bruteforce.py` | literal-formula oracles for tests only (never called in production) |
 
 The folder shares its name with Hugging Face's `kernels` package, which transformers >= 5.25 imports with every model

@@ -81,9 +81,9 @@ def test_cache_built_from_another_models_config():
         (dict(page_size="16"), "page_size must be a positive integer"),
         (dict(rerank_interval=-3), "rerank_interval must be a positive integer"),
         (dict(carry_pages=-1), "carry_pages must be None (K // 8), 0 (off) or a positive number of pages, got -1"),
-        (dict(refine_pages=3, token_budget=64, page_size=16), "refine_pages must be None (2 \* K), 0 (off) or >= 4"),
+        (dict(refine_pages=3, token_budget=64, page_size=16), r"refine_pages must be None (2 \* K), 0 (off) or >= 4"),
         (dict(token_budget=10, page_size=4), "try token_budget=8"),
-        (dict(backend="cuda"), "backend must be None, 'torch' or 'triton'"),
+        (dict(backend="cuda"), "backend must be None, 'torch', 'triton' or 'native'"),
         (dict(streaming_heads=((0, 0),), streaming_sink_pages=4, token_budget=64, page_size=16), "streaming_sink_pages"),
     ],
 )

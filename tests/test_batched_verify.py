@@ -125,15 +125,15 @@ def test_a_later_round_reads_only_the_new_candidates_keys_and_gets_a_full_refine
     """A round after the first computes the logits of the candidates its entries did not have before and takes the
     others from the earlier round: bit for bit the logits (so the mass and the ranking) of refining every candidate
     again, while fewer keys are read."""
-    from fc_hf.kernels import torch_backend
+    from fc_hf.kernels import dispatch
 
     real = PageSelector._logits_again
     checked, read, full = [], [], []
 
     def check(self, query, rows, seq, cand, old_cand, old_logits, store, bias, scaling):
         got = real(self, query, rows, seq, cand, old_cand, old_logits, store, bias, scaling)
-        want = torch_backend.page_logits(query, cand, rows, 0, store.near_k, store.near_index, store.full_k,
-                                         bias.tokens, seq, scaling)
+        want = dispatch.page_logits(query, cand, rows, 0, store.near_k, store.near_index, store.full_k, bias.tokens,
+                                    seq, scaling)  # the backend the step uses (the C++ op or the PyTorch path)
         assert torch.equal(got, want)
         n, c = cand.shape
         new = ~(cand[:, :, None] == old_cand[:, None, :]).any(-1)

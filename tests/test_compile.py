@@ -9,6 +9,13 @@ every later step is one graph), and eager FlexiCache's tokens. A `StaticCache` p
 
 from __future__ import annotations
 
+import dataclasses
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
 import pytest
 import torch
 from conftest import left_padded_batch, tiny_model
@@ -51,16 +58,26 @@ def setup():
     return model, ids, mask, profile
 
 
+@pytest.mark.parametrize("backend", ["torch", "native"], ids=["PyTorch backend", "C++ kernels"])
 @pytest.mark.parametrize("split", [False, True], ids=["one full tier", "near rows apart (the GPU layout)"])
-def test_generate_compiles_the_decode_step_in_two_graphs_with_eager_tokens(setup, split, monkeypatch):
+def test_generate_compiles_the_decode_step_in_two_graphs_with_eager_tokens(setup, split, backend, monkeypatch):
+    """Also on the C++ kernels (`backend="native"`, the GPU step's ops: each op one node), whose eager tokens are the
+    PyTorch backend's."""
+    from fc_hf.kernels import native_ops
     from fc_hf.store import PageStore
 
+    if backend == "native" and not native_ops.available():
+        pytest.skip(f"the C++ kernels did not build: {native_ops.build_error()}")
     monkeypatch.setattr(PageStore, "split_on_cpu", split)
     model, ids, mask, profile = setup
-    eager_cache = FlexiCache(model.config, CFG, profile)
+    cfg = dataclasses.replace(CFG, backend=backend)
+    eager_cache = FlexiCache(model.config, cfg, profile)
     eager = _generate(model, eager_cache, ids, mask)
     assert eager_cache.stats()["pages_promoted"] > 0 and eager_cache.stats()["reranks_stable"] > 2 * 2
-    cache = FlexiCache(model.config, CFG, profile)
+    if backend == "native":
+        torch_cfg = dataclasses.replace(CFG, backend="torch")
+        assert torch.equal(eager, _generate(model, FlexiCache(model.config, torch_cfg, profile), ids, mask))
+    cache = FlexiCache(model.config, cfg, profile)
     out, graphs, breaks = _graphs(lambda: _generate(model, cache, ids, mask, compile_config=_compile_config()))
     assert breaks == {}
     assert graphs <= 2
@@ -203,3 +220,27 @@ def test_the_first_ranking_of_a_process_compiled_is_one_graph(monkeypatch):
     assert breaks == {} and graphs == 1
     for case, got in zip(cases, out):
         assert torch.equal(got, torch_backend.page_scores(*case, 2))
+
+
+def test_a_fresh_process_whose_first_decode_step_is_compiled_loads_the_cpp_kernels_at_the_prompt():
+    """The C++ kernels are built or loaded where a layer is first allocated (the prompt, eager), never while the decode
+    step is traced: a process whose first decode step is compiled gets no graph break from loading them."""
+    script = textwrap.dedent("""
+        import test_compile as t
+        from conftest import left_padded_batch, tiny_model
+        from fc_hf import FlexiCache, HeadProfile
+        from fc_hf.kernels import native_ops
+        model = tiny_model("llama", layers=2, heads=4, kv_heads=2)
+        ids, mask = left_padded_batch(2, 120)
+        profile = HeadProfile.from_unstable(model.config, {(0, 0), (1, 1)})
+        assert native_ops._loaded is None
+        cache = FlexiCache(model.config, t.CFG, profile)
+        _, graphs, breaks = t._graphs(lambda: t._generate(model, cache, ids, mask, compile_config=t._compile_config()))
+        print(native_ops.available(), graphs, breaks)
+    """)
+    env = {k: v for k, v in os.environ.items() if k != "FLEXICACHE_BACKEND"}
+    run = subprocess.run([sys.executable, "-c", script], cwd=Path(__file__).parent, env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    _, graphs, breaks = run.stdout.split()[-3:]
+    assert breaks == "{}" and int(graphs) <= 2, run.stdout

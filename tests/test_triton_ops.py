@@ -64,6 +64,25 @@ def triton_ops():
     return ops
 
 
+@pytest.fixture(params=["triton", "native"])
+def fused_ops(request):
+    """The module of one fused backend's ops (same names, same contracts): the Triton kernels where they run in this
+    process, the C++ CPU kernels (`native_ops`) where they build, on a CPU, and not in the interpreter's child process
+    (the parent runs them)."""
+    if request.param == "triton":
+        if not IN_PROCESS:
+            pytest.skip("triton is missing, or was imported without the interpreter before this module: see "
+                        "test_interpreter_cases_in_fresh_process")
+        return ops
+    if CUDA or os.environ.get(_CHILD_ENV) == "1":
+        pytest.skip("the C++ kernels are CPU ones; the interpreter's child process leaves them to its parent")
+    from fc_hf.kernels import native_ops
+
+    if not native_ops.available():
+        pytest.skip(f"the C++ kernels did not build: {native_ops.build_error()}")
+    return native_ops
+
+
 @pytest.fixture(autouse=True)
 def nan_filled_allocations(monkeypatch):
     """Fresh float allocations start as NaN, so an output element a kernel never writes fails the comparisons
@@ -94,7 +113,7 @@ def test_interpreter_cases_in_fresh_process():
     """Run this file where triton is first imported with the interpreter on."""
     env = dict(os.environ, TRITON_INTERPRET="1", **{_CHILD_ENV: "1"})
     cmd = [sys.executable, "-m", "pytest", str(Path(__file__).resolve()), "-q", "-p", "no:cacheprovider",
-           "-k", "not fresh_process and not sm90 and not stays_optional"]
+           "-k", "not fresh_process and not sm90 and not stays_optional and not native"]  # the C++ cases: this process
     run = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, f"interpreter run failed:\n{run.stdout[-6000:]}\n{run.stderr[-2000:]}"
     assert " passed" in run.stdout and " skipped" not in run.stdout, run.stdout[-3000:]
@@ -142,12 +161,11 @@ SCORE_CASES = [
 ]
 
 
-@kernels_here
 @pytest.mark.parametrize("n, g, d, pages, s, dtype, layout", SCORE_CASES)
-def test_page_scores_matches_backend_and_bruteforce(triton_ops, n, g, d, pages, s, dtype, layout):
+def test_page_scores_matches_backend_and_bruteforce(fused_ops, n, g, d, pages, s, dtype, layout):
     query, meta, bias, kmin, kmax = _score_inputs(n, g, d, pages, s, dtype, layout, seed=n * 100 + d)
     dev = [t.to(DEVICE) for t in (query, meta, bias)]
-    out = triton_ops.page_scores(*dev, s).cpu()
+    out = fused_ops.page_scores(*dev, s).cpu()
     ref = torch_backend.page_scores(query, meta, bias, s)
     oracle = (bruteforce.score_pages_bruteforce(query, kmin, kmax) + bias).view(n, pages, s).amax(-1)
     assert out.shape == (n, pages) and out.dtype == torch.float32
@@ -221,18 +239,17 @@ def _finite_err(actual, expected):
     return (actual.double()[ok] - expected.double()[ok]).abs().max().item() if ok.any() else 0.0
 
 
-@kernels_here
 @pytest.mark.parametrize("n, g, d, dv, m, dtype, per_query, softcap, masks, split", ATTENTION_CASES)
-def test_attention_matches_backend_and_bruteforce(triton_ops, n, g, d, dv, m, dtype, per_query, softcap, masks,
+def test_attention_matches_backend_and_bruteforce(fused_ops, n, g, d, dv, m, dtype, per_query, softcap, masks,
                                                   split):
     q_scale = 4.0 if softcap else 1.0  # logits beyond the cap, so tanh saturates
     query, keys, values, bias = _attention_inputs(n, g, d, dv, m, dtype, per_query, masks, seed=m + d, q_scale=q_scale)
     scaling = d ** -0.5
-    if not CUDA:  # the case's split is what the test means to cover
+    if not CUDA and fused_ops.BACKEND == "triton":  # the case's split is what the test means to cover
         out_buf = torch.empty(n, g, dv, dtype=dtype)
-        launches = triton_ops._attention_launches(query, keys, values, bias, scaling, softcap, out_buf)
+        launches = fused_ops._attention_launches(query, keys, values, bias, scaling, softcap, out_buf)
         assert (len(launches) == 2) == split
-    out = triton_ops.attention(*(t.to(DEVICE) for t in (query, keys, values, bias)), scaling, softcap).cpu()
+    out = fused_ops.attention(*(t.to(DEVICE) for t in (query, keys, values, bias)), scaling, softcap).cpu()
     ref = torch_backend.attention(query, keys, values, bias, scaling, softcap)
     exact = torch_backend.attention(query.double(), keys.double(), values.double(), bias.double(), scaling, softcap)
     assert out.shape == (n, g, dv) and out.dtype == dtype
@@ -261,21 +278,19 @@ def test_attention_matches_backend_and_bruteforce(triton_ops, n, g, d, dv, m, dt
         assert _finite_err(out[live], oracle[live]) <= TOL[dtype]
 
 
-@kernels_here
-def test_attention_positive_infinite_bias_is_nan_as_backend(triton_ops):
+def test_attention_positive_infinite_bias_is_nan_as_backend(fused_ops):
     """+inf is outside the attention bias's contract (0 or -inf); the op answers as the backend does: NaN for the
     heads that see it, in the single-pass kernel and through the combine of splits."""
     for n, m in ((1, 200), (8, 40)):  # split over 4 programs, then single-pass
         query, keys, values, bias = _attention_inputs(n, 2, 32, 32, m, torch.float32, True, (), seed=m)
         bias[0, 1, m // 2] = float("inf")
-        out = triton_ops.attention(*(t.to(DEVICE) for t in (query, keys, values, bias)), 0.2, None).cpu()
+        out = fused_ops.attention(*(t.to(DEVICE) for t in (query, keys, values, bias)), 0.2, None).cpu()
         ref = torch_backend.attention(query, keys, values, bias, 0.2)
         assert torch.isnan(out[0, 1]).all() and torch.equal(torch.isnan(out), torch.isnan(ref))
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5, equal_nan=True)
 
 
-@kernels_here
-def test_attention_mixed_dtypes_and_strides(triton_ops):
+def test_attention_mixed_dtypes_and_strides(fused_ops):
     """A fp32 query over bf16 keys (cast to the keys' dtype first, as the backend does), non-contiguous keys/values
     (a window slice), the output in the values' dtype."""
     n, g, d, m = 2, 4, 64, 100
@@ -285,24 +300,23 @@ def test_attention_mixed_dtypes_and_strides(triton_ops):
     wide_k[:, 10 : 10 + m] = keys
     keys = wide_k[:, 10 : 10 + m]
     values = values.transpose(1, 2).contiguous().transpose(1, 2)
-    out = triton_ops.attention(*(t.to(DEVICE) for t in (query, keys, values, bias)), d ** -0.5, None).cpu()
+    out = fused_ops.attention(*(t.to(DEVICE) for t in (query, keys, values, bias)), d ** -0.5, None).cpu()
     ref = torch_backend.attention(query, keys, values, bias, d ** -0.5)
     assert out.dtype == torch.bfloat16
     assert _finite_err(out, ref) <= TOL[torch.bfloat16]
 
 
 @pytest.mark.parametrize("what", ["attention-no-tokens", "attention-no-rows", "scores-no-entries"])
-@kernels_here
-def test_empty_inputs_match_backend(triton_ops, what):
+def test_empty_inputs_match_backend(fused_ops, what):
     """No kernel launches: no tokens gives zeros (the backend's empty matmul), no rows or entries an empty output."""
     if what == "scores-no-entries":
-        out = triton_ops.page_scores(*(t.to(DEVICE) for t in (torch.randn(2, 3, 8), torch.randn(2, 16, 0),
+        out = fused_ops.page_scores(*(t.to(DEVICE) for t in (torch.randn(2, 3, 8), torch.randn(2, 16, 0),
                                                               torch.zeros(2, 0))), 2)
         assert out.shape == (2, 0) and out.dtype == torch.float32
         return
     n, m = (2, 0) if what == "attention-no-tokens" else (0, 5)
     args = (torch.randn(n, 3, 8), torch.randn(n, m, 8), torch.randn(n, m, 4), torch.zeros(n, m))
-    out = triton_ops.attention(*(t.to(DEVICE) for t in args), 0.5, None).cpu()
+    out = fused_ops.attention(*(t.to(DEVICE) for t in args), 0.5, None).cpu()
     torch.testing.assert_close(out, torch_backend.attention(*args, 0.5))
 
 
@@ -344,15 +358,14 @@ def _append(fn, inputs, position):
     return out
 
 
-@kernels_here
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("near", [False, True], ids=["near-in-full-tier", "near-apart"])
 @pytest.mark.parametrize("position", [24, 26, 31])  # a sub-page's first token, a middle one, the last of a page
-def test_append_token_matches_backend(triton_ops, dtype, near, position):
+def test_append_token_matches_backend(fused_ops, dtype, near, position):
     """The one-launch decode token writes (full tier, window or near tier, the sub-page's MinMax entry from its tokens,
     the count) equal the backend's bit for bit; each of them changed something."""
     inputs = _append_inputs(dtype, near, seed=position)
-    got = _append(triton_ops.append_token, inputs, position)
+    got = _append(fused_ops.append_token, inputs, position)
     want = _append(torch_backend.append_token, inputs, position)
     for name, expected in want.items():
         assert (got[name] == expected) if name == "length" else torch.equal(got[name], expected), name
@@ -363,8 +376,7 @@ def test_append_token_matches_backend(triton_ops, dtype, near, position):
         assert not torch.equal(want[name], before), f"{name} was not written"
 
 
-@kernels_here
-def test_one_launch_ops_write_what_a_decode_step_writes(triton_ops, monkeypatch):
+def test_one_launch_ops_write_what_a_decode_step_writes(fused_ops, monkeypatch):
     """On a real cache (stable, unstable and streaming rows, a layer without stable rows, near rows apart or not,
     promotions and page openings) decode steps whose token writes and window moves go through the ops leave every state
     and logit of the PyTorch path, bit for bit (the carried pages wherever something is carried)."""
@@ -379,14 +391,15 @@ def test_one_launch_ops_write_what_a_decode_step_writes(triton_ops, monkeypatch)
             return getattr(dispatch, name)
 
         @staticmethod
-        def backend_for(tensor, forced=None):
-            return "triton"
+        def fused(tensor, forced=None):
+            return fused_ops.BACKEND
 
     import fc_hf.tiers as tiers
 
-    launches, op, move_op = [], triton_ops.append_token, triton_ops.move_windows
-    monkeypatch.setattr(triton_ops, "append_token", lambda *args: launches.append("append") or op(*args))
-    monkeypatch.setattr(triton_ops, "move_windows", lambda *args: launches.append("move") or move_op(*args))
+    monkeypatch.setenv("FLEXICACHE_BACKEND", "torch")  # the PyTorch path, where the ops are not asked for
+    launches, op, move_op = [], fused_ops.append_token, fused_ops.move_windows
+    monkeypatch.setattr(fused_ops, "append_token", lambda *args: launches.append("append") or op(*args))
+    monkeypatch.setattr(fused_ops, "move_windows", lambda *args: launches.append("move") or move_op(*args))
     model = tiny_model("llama", layers=3, kv_heads=3, heads=6)
     ids, mask = left_padded_batch(2, 37, pad_lengths=[0, 6])
     forced = torch.randint(1, 97, (2, 24), generator=torch.Generator().manual_seed(2))
@@ -428,8 +441,7 @@ def test_one_launch_ops_write_what_a_decode_step_writes(triton_ops, monkeypatch)
     assert launches.count("move") >= 2 * forced.shape[1] // 3  # the stable rows' re-ranks
 
 
-@kernels_here
-def test_writing_ops_check_and_compile(triton_ops):
+def test_writing_ops_check_and_compile(fused_ops):
     """opcheck of the token writes, refinement's choice and the window moves (schema, the declared
     mutations, fake tensors); a compiled function (`fullgraph=True`, aot_eager) that writes a token is one graph whose
     writes are eager's."""
@@ -439,19 +451,19 @@ def test_writing_ops_check_and_compile(triton_ops):
     position, length = torch.tensor(26, device=DEVICE), torch.tensor(26, device=DEVICE)
     call = (keys, values, position, length, full_k, full_v, meta, meta_row, win_k, win_v, win_shift, local, near_k,
             near_v, near_place, sub)
-    torch.library.opcheck(torch.ops.flexicache.append_token.default, tuple(
+    torch.library.opcheck(getattr(torch.ops, fused_ops.OPS_NAMESPACE).append_token.default, tuple(
         t.clone() if isinstance(t, torch.Tensor) else t for t in call))
     logits, scores, cand, page = (t.to(DEVICE) for t in _choice_inputs(3, 2, 16, 4, True, seed=4))
     carried = (torch.zeros(3, 6, dtype=torch.long, device=DEVICE), torch.zeros(3, 6, device=DEVICE))
-    torch.library.opcheck(torch.ops.flexicache.choose.default, (logits.clamp(min=-30), scores.clamp(-9, 9), cand, page,
+    torch.library.opcheck(getattr(torch.ops, fused_ops.OPS_NAMESPACE).choose.default, (logits.clamp(min=-30), scores.clamp(-9, 9), cand, page,
                                                                 8, 3, 2.5) + carried)
     moves = {name: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for name, v in _move_inputs(seed=5).items()}
     moves["local"], moves["rows"] = moves["local"][:3], moves["rows"][:3]  # opcheck runs it again: no padded place
     moves["pages"], moves["page"] = moves["pages"][:3], moves["page"][:3]
-    torch.library.opcheck(torch.ops.flexicache.move_windows.default, tuple(moves.values()) + (True,))
+    torch.library.opcheck(getattr(torch.ops, fused_ops.OPS_NAMESPACE).move_windows.default, tuple(moves.values()) + (True,))
 
     def step(*a):
-        dispatch.append_token(*a, backend="triton")
+        dispatch.append_token(*a, backend=fused_ops.BACKEND)
         return a[3] + 0, a[6].sum()
 
     eager_state = [t.clone() if isinstance(t, torch.Tensor) else t for t in call]
@@ -470,10 +482,9 @@ def test_writing_ops_check_and_compile(triton_ops):
             assert torch.equal(got, want)
 
 
-@kernels_here
 @pytest.mark.parametrize("n, pages, count, width", [(4, 40, 16, 4), (3, 300, 32, 8), (2, 7, 7, 2), (5, 64, 5, 0),
                                                     (2, 130, 64, 16)])
-def test_candidates_match_backend(triton_ops, n, pages, count, width):
+def test_candidates_match_backend(fused_ops, n, pages, count, width):
     """Refinement's candidates: with no two scores equal, the backend's bit for bit (carried pages raised, a carried
     score below a page's own bound leaving it, pages in order); with ties at the cut (pages never attendable, -inf;
     forced, +inf; several carried, the same score) the lower pages, and the same raised scores and cut as the
@@ -490,7 +501,7 @@ def test_candidates_match_backend(triton_ops, n, pages, count, width):
             continue
         dev = [None if t is None else t.to(DEVICE) for t in (scores, c_p, c_s)]
         want = torch_backend.candidates(scores, c_p, c_s, count)
-        got = dispatch.candidates(*dev, count, backend="triton")
+        got = dispatch.candidates(*dev, count, backend=fused_ops.BACKEND)
         assert all(torch.equal(a.cpu(), b) for a, b in zip(got, want)) and got[1].dtype == torch.long
     tied = scores.clone()
     tied[:, : pages // 2] = float("-inf")
@@ -498,7 +509,7 @@ def test_candidates_match_backend(triton_ops, n, pages, count, width):
     if pages > 4:
         tied[0, 2:5] = tied[0, 1]  # equal finite bounds
     raised = tied.scatter_reduce(1, carried_pages, carried_scores, "amax")
-    got_scores, got_pages = (t.cpu() for t in triton_ops.candidates(tied.to(DEVICE), carried_pages.to(DEVICE),
+    got_scores, got_pages = (t.cpu() for t in fused_ops.candidates(tied.to(DEVICE), carried_pages.to(DEVICE),
                                                                      carried_scores.to(DEVICE), count))
     want_scores, _ = torch_backend.candidates(tied, carried_pages, carried_scores, count)
     assert torch.equal(got_pages, got_pages.sort(dim=1).values) and (got_pages[:, 1:] > got_pages[:, :-1]).all()
@@ -510,7 +521,7 @@ def test_candidates_match_backend(triton_ops, n, pages, count, width):
     # the lower pages of the cut's score: a page at the cut is taken only where every lower one at the cut is
     taken = torch.zeros_like(raised, dtype=torch.bool).scatter_(1, got_pages, True)
     assert torch.equal(taken, above | (at & (at.cumsum(1) <= count - above.sum(1, keepdim=True))))
-    torch.library.opcheck(torch.ops.flexicache.candidates.default, (tied.to(DEVICE), carried_pages.to(DEVICE),
+    torch.library.opcheck(getattr(torch.ops, fused_ops.OPS_NAMESPACE).candidates.default, (tied.to(DEVICE), carried_pages.to(DEVICE),
                                                                      carried_scores.to(DEVICE), count))
 
 
@@ -532,11 +543,10 @@ def _logits_inputs(n, g, d, p, c, near, sequences, dtype, seed):
     return query, pages, rows, near, near_k, near_index, full_k, tokens, seq
 
 
-@kernels_here
 @pytest.mark.parametrize("n, g, d, p, c, near, sequences", [(3, 3, 64, 16, 32, 1, 2), (4, 1, 40, 6, 9, 0, 1),
                                                              (2, 8, 128, 4, 70, 2, 3), (5, 4, 16, 1, 3, 3, 1)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_page_logits_matches_backend_and_is_the_same_number_in_any_company(triton_ops, n, g, d, p, c, near, sequences,
+def test_page_logits_matches_backend_and_is_the_same_number_in_any_company(fused_ops, n, g, d, p, c, near, sequences,
                                                                            dtype):
     """Refinement's logits with the keys read in place: the backend's to fp32 rounding and the fp64 formula's, the
     first `near` rows from the near tier, -inf exactly where the bias is; a subset of the pages in another order gives
@@ -544,7 +554,7 @@ def test_page_logits_matches_backend_and_is_the_same_number_in_any_company(trito
     args = _logits_inputs(n, g, d, p, c, near, sequences, dtype, seed=n * c + near)
     query, pages, rows, _, near_k, near_index, full_k, tokens, seq = args
     dev = [t.to(DEVICE) if isinstance(t, torch.Tensor) else t for t in args]
-    got = triton_ops.page_logits(*dev, 0.125).cpu()
+    got = fused_ops.page_logits(*dev, 0.125).cpu()
     want = torch_backend.page_logits(*args, 0.125)
     tier = torch.where((torch.arange(n) < near)[:, None, None], near_k[near_index[rows]], full_k[rows])
     keys = tier.view(n, -1, p, d)[torch.arange(n)[:, None], pages].double()  # [n, C, P, D]
@@ -557,12 +567,11 @@ def test_page_logits_matches_backend_and_is_the_same_number_in_any_company(trito
     _record("page_logits, Triton vs backend", dtype, _finite_err(got, want))
     some = torch.arange(c - 1, -1, -2)  # every other page, in reverse
     dev[1] = dev[1][:, some]
-    assert torch.equal(triton_ops.page_logits(*dev, 0.125).cpu(), got[:, :, some])
-    torch.library.opcheck(torch.ops.flexicache.page_logits.default, tuple(dev) + (0.125,))
+    assert torch.equal(fused_ops.page_logits(*dev, 0.125).cpu(), got[:, :, some])
+    torch.library.opcheck(getattr(torch.ops, fused_ops.OPS_NAMESPACE).page_logits.default, tuple(dev) + (0.125,))
 
 
-@kernels_here
-def test_verification_blocks_are_the_loop_with_refinement_and_attention_from_the_ops(triton_ops, monkeypatch):
+def test_verification_blocks_are_the_loop_with_refinement_and_attention_from_the_ops(fused_ops, monkeypatch):
     """With refinement's candidates, logits and choice and the unstable rows' attention from the ops
     (`flexicache::candidates`, `page_logits`, `choose`, `chosen_attention`), a verification block's rankings are still
     its loop's: every mark, the state after every crop, the outputs (a later round of `rank_block` computes only its
@@ -578,13 +587,14 @@ def test_verification_blocks_are_the_loop_with_refinement_and_attention_from_the
         def __getattr__(self, name):
             if name in ("candidates", "page_logits", "choose", "chosen_attention"):
                 return lambda *args, backend=None: launches.append(name) or getattr(dispatch, name)(*args,
-                                                                                                   backend="triton")
+                                                                                                   backend=fused_ops.BACKEND)
             return getattr(dispatch, name)
 
         @staticmethod
-        def backend_for(tensor, forced=None):
-            return "triton"
+        def fused(tensor, forced=None):
+            return fused_ops.BACKEND
 
+    monkeypatch.setenv("FLEXICACHE_BACKEND", "torch")  # the PyTorch path, where the ops are not asked for
     monkeypatch.setattr(selection, "kernels", OpsForRefinement())
     monkeypatch.setattr(decode, "kernels", OpsForRefinement())  # the token writes too (`append_token`, exact)
     block, loop, (keys, values), queries = _caches(CONFIGS["variants"], seed=3)
@@ -645,12 +655,11 @@ def _same_carried(got, want):
     assert torch.equal(got[0][finite], want[0][finite]) and torch.equal(got[0][~finite] * 0, want[0][~finite] * 0)
 
 
-@kernels_here
 @pytest.mark.parametrize("n, g, c, p, k, carry, width", [
     (3, 3, 16, 16, 8, 2, 4), (2, 1, 70, 16, 35, 8, 16), (4, 8, 33, 4, 16, 3, 8), (2, 4, 300, 8, 150, 0, 1),
     (1, 2, 5, 1, 3, 2, 4), (2, 3, 40, 6, 20, 6, 12), (3, 2, 9, 4, 4, 3, 8), (2, 3, 6, 4, 6, 6, 12)])
 @pytest.mark.parametrize("per_row_page", [False, True], ids=["one-page", "page-per-row"])
-def test_choose_matches_backend_and_selector(triton_ops, n, g, c, p, k, carry, width, per_row_page):
+def test_choose_matches_backend_and_selector(fused_ops, n, g, c, p, k, carry, width, per_row_page):
     """Refinement's choice in one launch. The mass: the backend's (`page_mass`) to fp32 rounding and the fp64
     formula's, infinite scores kept exactly, NaN where a head has no finite logit (row 0), more pages than one block
     (C = 300), pages of a size that is not a power of two. The top K of that mass, of equal ones the first, in
@@ -661,7 +670,7 @@ def test_choose_matches_backend_and_selector(triton_ops, n, g, c, p, k, carry, w
     from fc_hf.selection import CARRIED_SCORE, PageSelector
 
     logits, scores, cand, page = _choice_inputs(n, g, c, p, per_row_page, seed=n * g + c + carry)
-    mass, top, chosen, carried = _choice(triton_ops.choose, logits, scores, cand, page, k, carry, width)
+    mass, top, chosen, carried = _choice(fused_ops.choose, logits, scores, cand, page, k, carry, width)
     want = torch_backend.page_mass(logits, scores)
     exact = torch.where(torch.isinf(scores), scores.double(),
                         torch.softmax(logits.double().view(n, g, c * p), -1).view(n, g, c, p).sum(-1).mean(1))
@@ -703,11 +712,10 @@ def test_choose_matches_backend_and_selector(triton_ops, n, g, c, p, k, carry, w
 # Attention over a ranking's own logits
 # --------------------------------------------------------------------------------------------------
 
-@kernels_here
 @pytest.mark.parametrize("m, g, c, k, p, dv, dtype", [
     (3, 3, 16, 8, 16, 64, torch.float32), (2, 8, 40, 20, 4, 128, torch.bfloat16), (4, 1, 9, 5, 6, 40, torch.float32),
     (2, 4, 70, 33, 16, 64, torch.bfloat16), (2, 2, 3, 3, 1, 16, torch.float16)])
-def test_chosen_attention_matches_backend_and_fp64(triton_ops, m, g, c, k, p, dv, dtype):
+def test_chosen_attention_matches_backend_and_fp64(fused_ops, m, g, c, k, p, dv, dtype):
     """The unstable rows' attention over a ranking's own logits: the chosen places in any order, the values read in
     place at each row's start in a flat tier, more pages than one block (K = 33 of 16 tokens), pages of a size that is
     not a power of two, masked tokens and whole pages; NaN where a head has no attendable chosen token (row 0's last
@@ -723,7 +731,7 @@ def test_chosen_attention_matches_backend_and_fp64(triton_ops, m, g, c, k, p, dv
     starts = torch.randint(0, 5, (m,), generator=gen) * per_row
     values = torch.randn(5 * per_row * p, dv, generator=gen).to(dtype)
     dev = [t.to(DEVICE) for t in (logits, top, pages, starts, values)]
-    out = triton_ops.chosen_attention(*dev).cpu()
+    out = fused_ops.chosen_attention(*dev).cpu()
     ref = torch_backend.chosen_attention(logits, top, pages, starts, values)
     exact = torch_backend.chosen_attention(logits.double(), top, pages, starts, values.double())
     assert out.shape == (m, g, dv) and out.dtype == dtype
@@ -734,7 +742,7 @@ def test_chosen_attention_matches_backend_and_fp64(triton_ops, m, g, c, k, p, dv
     ulp = torch.finfo(dtype).eps * exact.nan_to_num().abs().max().item()
     assert err <= TOL[dtype] and err <= 2 * err_ref + ulp, f"Triton {err:.2e}, backend {err_ref:.2e}"
     # opcheck compares repeated runs: rows 1.. (no NaN)
-    torch.library.opcheck(torch.ops.flexicache.chosen_attention.default, tuple(t[1:] for t in dev[:4]) + (dev[4],))
+    torch.library.opcheck(getattr(torch.ops, fused_ops.OPS_NAMESPACE).chosen_attention.default, tuple(t[1:] for t in dev[:4]) + (dev[4],))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -770,17 +778,16 @@ def _moved(fn, inputs, count):
             for name in ("win_k", "win_v", "win_pages", "win_shift", "win_bias_rows", "promoted")}
 
 
-@kernels_here
 @pytest.mark.parametrize("ranked", [6, 4], ids=["K-ranked", "fewer-pages-than-K"])
 @pytest.mark.parametrize("per_row_page", [True, False], ids=["page-per-row", "one-page"])
 @pytest.mark.parametrize("count", [True, False], ids=["host-tier", "no-host-tier"])
 @pytest.mark.parametrize("p", [4, 3], ids=["P4", "P3"])
-def test_move_windows_matches_backend(triton_ops, ranked, per_row_page, count, p):
+def test_move_windows_matches_backend(fused_ops, ranked, per_row_page, count, p):
     """The one-launch window moves (the window planned in page order, its first K pages copied from the full tier, the
     shift, the token-bias rows, the pages promoted) equal the backend's bit for bit, and each wrote something; pages of
     a power-of-two size or not."""
     inputs = _move_inputs(seed=ranked + 2 * per_row_page + p, ranked=ranked, per_row_page=per_row_page, p=p)
-    got, want = _moved(triton_ops.move_windows, inputs, count), _moved(torch_backend.move_windows, inputs, count)
+    got, want = _moved(fused_ops.move_windows, inputs, count), _moved(torch_backend.move_windows, inputs, count)
     for name, expected in want.items():
         assert torch.equal(got[name], expected), name
     n_s = inputs["win_pages"].shape[0] - 1
@@ -795,52 +802,56 @@ def test_move_windows_matches_backend(triton_ops, ranked, per_row_page, count, p
 # Custom ops: fake implementations, opcheck, torch.compile, dispatch
 # --------------------------------------------------------------------------------------------------
 
-def test_fake_implementations_give_shapes_and_dtypes(triton_ops):
+def _meta_arg(fused_ops, meta):
+    """The MinMax argument of a raw `page_scores` op: one tensor (Triton), a list of row blocks (C++)."""
+    return meta if fused_ops.BACKEND == "triton" else [meta]
+
+
+def test_fake_implementations_give_shapes_and_dtypes(fused_ops):
     """Under FakeTensorMode (and on meta tensors) the ops give their output's shape, dtype and device without running
     a kernel; inputs that break the contract are refused at trace time."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     with FakeTensorMode():
         q = torch.empty(6, 4, 64, dtype=torch.bfloat16)
-        scores = torch.ops.flexicache.page_scores(q, torch.empty(6, 128, 40, dtype=torch.bfloat16), torch.empty(6, 40),
-                                                  4)
+        ops_ = getattr(torch.ops, fused_ops.OPS_NAMESPACE)
+        scores = ops_.page_scores(q, _meta_arg(fused_ops, torch.empty(6, 128, 40, dtype=torch.bfloat16)),
+                                  torch.empty(6, 40), 4)
         assert scores.shape == (6, 10) and scores.dtype == torch.float32 and scores.device == q.device
         keys, values = torch.empty(6, 96, 64, dtype=torch.bfloat16), torch.empty(6, 96, 48, dtype=torch.bfloat16)
         for bias in (torch.empty(6, 96), torch.empty(6, 4, 96)):
-            out = torch.ops.flexicache.attention(q, keys, values, bias, 0.125, 50.0)
+            out = getattr(torch.ops, fused_ops.OPS_NAMESPACE).attention(q, keys, values, bias, 0.125, 50.0)
             assert out.shape == (6, 4, 48) and out.dtype == torch.bfloat16
         with pytest.raises(ValueError, match="page_scores"):
-            torch.ops.flexicache.page_scores(q, torch.empty(6, 128, 40), torch.empty(6, 40), 3)
+            ops_.page_scores(q, _meta_arg(fused_ops, torch.empty(6, 128, 40)), torch.empty(6, 40), 3)
         with pytest.raises(ValueError, match="attention"):
-            torch.ops.flexicache.attention(q, keys, values, torch.empty(6, 95), 0.125)
-    meta = torch.ops.flexicache.attention(*(torch.empty(s, device="meta") for s in ((2, 3, 8), (2, 5, 8), (2, 5, 4),
+            getattr(torch.ops, fused_ops.OPS_NAMESPACE).attention(q, keys, values, torch.empty(6, 95), 0.125)
+    meta = getattr(torch.ops, fused_ops.OPS_NAMESPACE).attention(*(torch.empty(s, device="meta") for s in ((2, 3, 8), (2, 5, 8), (2, 5, 4),
                                                                                       (2, 3, 5))), 1.0)
     assert meta.shape == (2, 3, 4) and meta.device.type == "meta"
 
 
-@kernels_here
-def test_opcheck(triton_ops):
+def test_opcheck(fused_ops):
     """torch.library.opcheck: schema, fake tensor agreement with the real kernel, AOT dispatch (dynamic shapes)."""
     query, meta, bias, _, _ = _score_inputs(2, 3, 16, 5, 2, torch.float32, "contiguous", seed=1)
     bias = bias.clamp(-10.0, 10.0)  # opcheck compares outputs of repeated runs: keep them finite
-    torch.library.opcheck(torch.ops.flexicache.page_scores.default,
-                          tuple(t.to(DEVICE) for t in (query, meta, bias)) + (2,))
+    torch.library.opcheck(getattr(torch.ops, fused_ops.OPS_NAMESPACE).page_scores.default,
+                          (query.to(DEVICE), _meta_arg(fused_ops, meta.to(DEVICE)), bias.to(DEVICE), 2))
     query, keys, values, bias = _attention_inputs(2, 3, 16, 8, 20, torch.float32, True, (), seed=2)
     dev = tuple(t.to(DEVICE) for t in (query, keys, values, bias))
-    torch.library.opcheck(torch.ops.flexicache.attention.default, dev + (0.25, 5.0))
-    torch.library.opcheck(torch.ops.flexicache.attention.default, dev[:3] + (dev[3][:, 0],) + (0.25,))
+    torch.library.opcheck(getattr(torch.ops, fused_ops.OPS_NAMESPACE).attention.default, dev + (0.25, 5.0))
+    torch.library.opcheck(getattr(torch.ops, fused_ops.OPS_NAMESPACE).attention.default, dev[:3] + (dev[3][:, 0],) + (0.25,))
 
 
-@kernels_here
-def test_compiled_step_keeps_each_op_as_one_node(triton_ops):
+def test_compiled_step_keeps_each_op_as_one_node(fused_ops):
     """`torch.compile(fullgraph=True, backend="aot_eager")` of a function calling dispatch on the Triton backend: one
     graph, no break, each op one node of the Dynamo graph and of the AOT (ATen) graph, eager's results."""
     from torch._dynamo.backends.common import aot_autograd
     from torch._dynamo.testing import CompileCounterWithBackend
 
     def step(query, meta, page_bias, keys, values, bias):
-        scores = dispatch.page_scores(query, meta, page_bias, 2, backend="triton")
-        out = dispatch.attention(query * 2, keys, values, bias, 0.25, None, backend="triton")
+        scores = dispatch.page_scores(query, meta, page_bias, 2, backend=fused_ops.BACKEND)
+        out = dispatch.attention(query * 2, keys, values, bias, 0.25, None, backend=fused_ops.BACKEND)
         return scores.amax(-1), out + 1
 
     query, meta, page_bias, _, _ = _score_inputs(2, 4, 32, 6, 2, torch.float32, "contiguous", seed=7)
@@ -853,7 +864,8 @@ def test_compiled_step_keeps_each_op_as_one_node(triton_ops):
     compiled = torch.compile(step, fullgraph=True, backend=counter)(*args)
     assert counter.frame_count == 1
     targets = [str(node.target) for node in counter.graphs[0].graph.nodes if node.op == "call_function"]
-    assert targets.count("flexicache.page_scores.default") == 1 and targets.count("flexicache.attention.default") == 1
+    name = fused_ops.OPS_NAMESPACE
+    assert targets.count(f"{name}.page_scores.default") == 1 and targets.count(f"{name}.attention.default") == 1
 
     graphs = []
 
@@ -864,8 +876,8 @@ def test_compiled_step_keeps_each_op_as_one_node(triton_ops):
     torch._dynamo.reset()
     torch.compile(step, fullgraph=True, backend=aot_autograd(fw_compiler=capture))(*args)
     aten = [node.target for node in graphs[0].graph.nodes if node.op == "call_function"]
-    assert aten.count(torch.ops.flexicache.page_scores.default) == 1
-    assert aten.count(torch.ops.flexicache.attention.default) == 1
+    assert aten.count(getattr(torch.ops, fused_ops.OPS_NAMESPACE).page_scores.default) == 1
+    assert aten.count(getattr(torch.ops, fused_ops.OPS_NAMESPACE).attention.default) == 1
     for got, want in zip(compiled, eager):
         torch.testing.assert_close(got, want)
 
@@ -889,10 +901,50 @@ def test_dispatch_routes_to_the_ops_only_on_the_triton_backend(triton_ops, monke
     assert dispatch.page_scores(query, meta, bias, 1, backend="torch") is not None and calls[-1] == "attention"
 
 
+def test_native_backend_serves_cpu_tensors_only_and_falls_back_where_not_built(monkeypatch):
+    """"native" routes CPU tensors to the C++ ops; another device's tensors pick as "auto" (here a meta tensor: the
+    PyTorch backend); where the C++ kernels did not build, CPU tensors get the PyTorch backend too."""
+    from fc_hf.kernels import native_ops
+
+    monkeypatch.setattr(native_ops, "available", lambda: True)
+    assert dispatch.backend_for(torch.zeros(1), "native") == "native"
+    assert dispatch.fused(torch.zeros(1), "native") == "native"
+    assert dispatch.backend_for(torch.zeros(1, device="meta"), "native") == "torch"
+    monkeypatch.setenv("FLEXICACHE_BACKEND", "native")
+    assert dispatch.backend_for(torch.zeros(1)) == "native" and dispatch.backend_for(torch.zeros(1), "torch") == "torch"
+    monkeypatch.setattr(native_ops, "available", lambda: False)
+    assert dispatch.backend_for(torch.zeros(1)) == "torch" and dispatch.fused(torch.zeros(1)) is None
+
+
+def test_native_build_failure_warns_once_and_the_pytorch_backend_serves(tmp_path):
+    """With no working compiler the C++ kernels do not build: one RuntimeWarning that says what to install, the reason
+    kept in `build_error()`, and the same attention from the PyTorch backend."""
+    script = textwrap.dedent("""
+        import warnings
+        import torch
+        from fc_hf.kernels import dispatch, native_ops
+        q, k, v, b = torch.randn(2, 3, 8), torch.randn(2, 5, 8), torch.randn(2, 5, 8), torch.zeros(2, 5)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            got = [dispatch.attention(q, k, v, b, 1.0, backend="native") for _ in range(2)]
+        assert not native_ops.available() and native_ops.build_error(), native_ops.build_error()
+        texts = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+        assert len(texts) == 1 and "C++ compiler" in texts[0], texts
+        want = dispatch.attention(q, k, v, b, 1.0, backend="torch")
+        assert all(torch.equal(g, want) for g in got)
+        print("ok")
+    """)
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "FLEXICACHE_BACKEND")}
+    env.update(CXX=str(tmp_path / "no-compiler"), TORCH_EXTENSIONS_DIR=str(tmp_path / "extensions"))
+    run = subprocess.run([sys.executable, "-c", script], cwd=ROOT / "tests", env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stdout[-2000:] + run.stderr[-3000:]
+
+
 def test_triton_stays_optional():
-    """The kernels' dispatch runs the PyTorch backend on a CPU without importing triton (torch and transformers may
+    """The kernels' dispatch runs the CPU backends without importing triton (torch and transformers may
     import it themselves: torch._dynamo probes for it), and FlexiCache's core imports and runs without triton installed
-    (its import blocked): dispatch answers "torch", and forcing "triton" says what is missing."""
+    (its import blocked): dispatch answers a CPU backend, and forcing "triton" says what is missing."""
     script = textwrap.dedent("""
         import sys
         import torch
@@ -904,7 +956,7 @@ def test_triton_stays_optional():
 
         sys.modules["triton"] = None  # from here on, as if triton were not installed
         import fc_hf, fc_hf.cache, fc_hf.decode, fc_hf.selection
-        assert not dispatch._triton_available() and dispatch.backend_for(q) == "torch"
+        assert not dispatch._triton_available() and dispatch.backend_for(q) in ("torch", "native")  # a CPU tensor
         assert dispatch.attention(q, k, v, b, 1.0).shape == (2, 3, 8)
         try:
             dispatch.attention(q, k, v, b, 1.0, backend="triton")

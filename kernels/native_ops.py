@@ -1,0 +1,222 @@
+"""C++ CPU kernels of the decode step: the fused ops of `triton_ops.py` (same names, same contracts, one call each) for
+CPU tensors, so that a CPU step issues the calls a GPU step launches instead of the PyTorch backend's many small ops.
+
+The source is `csrc/native_ops.cpp`; it is compiled with `torch.utils.cpp_extension` (a C++ compiler and ninja) on
+first use, about 20 s once per machine and torch version (cached under `TORCH_EXTENSIONS_DIR`, default
+`~/.cache/torch_extensions`), and registers the ops `flexicache_cpu::<name>`. Where it cannot be built, `available()`
+says why (`build_error()`) and `dispatch.py` keeps the PyTorch backend: the native path is a speed-up, never a
+requirement. Each wrapper checks its arguments against the contract (`contracts.py`) first; each op has a fake
+implementation, so a compiled step keeps a call as one node.
+
+Numerics are the Triton kernels' (see `triton_ops.py`): fp32 sums, `page_logits` and the attention's logits summed over
+the channels in 16 partial sums added in one order (the same number whatever a token's company), choices among equal
+values taking the lower place, writes equal to the backend's bit for bit.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import warnings
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from .contracts import (check_append_token, check_attention, check_candidates, check_choose, check_chosen_attention,
+                        check_move_windows, check_page_logits, check_page_scores)
+
+BACKEND = "native"  # the name `dispatch` routes by
+OPS_NAMESPACE = "flexicache_cpu"  # torch.ops.flexicache_cpu.<name>
+_SOURCE = Path(__file__).with_name("csrc") / "native_ops.cpp"
+_DISABLE_ENV = "FLEXICACHE_NATIVE"  # "0": never build or use the C++ kernels
+_build_error: Optional[str] = None
+_loaded: Optional[bool] = None  # None: not tried yet
+
+
+def available() -> bool:
+    """Whether the C++ kernels are built and loaded (building them on the first call). A failure is remembered, warned
+    about once, and reported by `build_error()`."""
+    global _loaded
+    if _loaded is None:
+        _loaded = _load()
+    return _loaded
+
+
+def _load() -> bool:
+    global _build_error
+    if os.environ.get(_DISABLE_ENV, "1") == "0":
+        _build_error = f"{_DISABLE_ENV}=0"
+        return False
+    try:
+        from torch.utils import cpp_extension
+
+        error = None
+        for flags in (["-O3", "-march=native"], ["-O3"]):  # this machine's vector units where the compiler knows them
+            # Named by the source, the flags and the machine: checkouts with other sources, or machines sharing a
+            # home folder, keep builds of their own and never replace a library a running process has loaded.
+            digest = hashlib.sha1(_SOURCE.read_bytes() + " ".join(flags).encode() + _machine().encode()).hexdigest()
+            try:
+                cpp_extension.load(name=f"flexicache_native_{digest[:12]}", sources=[str(_SOURCE)], extra_cflags=flags,
+                                   is_python_module=False, verbose=False)
+                break
+            except Exception as failed:  # noqa: PERF203 (two tries at most)
+                error = failed
+        else:
+            raise error
+    except Exception as error:  # no compiler, no ninja, a failed build: the PyTorch backend serves instead
+        _build_error = f"{type(error).__name__}: {error}".strip()
+        warnings.warn(f"FlexiCache's C++ CPU kernels could not be built ({_build_error.splitlines()[0]}); the CPU "
+                      f"decode step uses the PyTorch backend (same results, more ops a step). Install a C++ compiler "
+                      f"and ninja to build them, or set {_DISABLE_ENV}=0 to silence this.", RuntimeWarning,
+                      stacklevel=2)
+        return False
+    _register_fakes()
+    return True
+
+
+def _machine() -> str:
+    """The CPU's architecture and, where Linux says, its model and flags (what `-march=native` builds for)."""
+    import platform
+
+    text = platform.machine() + platform.processor()
+    try:
+        with open("/proc/cpuinfo") as info:
+            text += "".join(line for line in info if line.startswith(("model name", "flags")))[:4096]
+    except OSError:
+        pass
+    return text
+
+
+def build_error() -> Optional[str]:
+    """Why the C++ kernels are not in use (None when they are, or before `available()` was asked)."""
+    return _build_error
+
+
+def _ops():
+    if not available():
+        raise RuntimeError(f"FlexiCache's C++ CPU kernels are not available ({_build_error}); use FLEXICACHE_BACKEND="
+                           f"torch")
+    return torch.ops.flexicache_cpu
+
+
+def _check_cpu(*tensors):
+    if any(t.device.type != "cpu" for t in tensors):
+        raise ValueError(f"the C++ kernels run on CPU tensors, got {[str(t.device) for t in tensors]}; on a GPU the "
+                         f"Triton backend serves")
+
+
+def page_scores(query, meta, bias, subpages):
+    """See `torch_backend.page_scores`: `meta` one tensor or row blocks (views of the MinMax cache, read in place, not
+    concatenated). -> `[n, E / S]` fp32."""
+    blocks = [meta] if isinstance(meta, torch.Tensor) else list(meta)
+    check_page_scores(query, blocks, bias, subpages)
+    _check_cpu(query, bias, *blocks)
+    return _ops().page_scores.default(query, blocks, bias, subpages)
+
+
+def attention(query, keys, values, bias, scaling, softcap=None):
+    """See `torch_backend.attention`. -> `[n, G, Dv]` in the values' dtype."""
+    check_attention(query, keys, values, bias)
+    _check_cpu(query, keys, values, bias)
+    return _ops().attention.default(query, keys, values, bias, float(scaling),
+                                    None if softcap is None else float(softcap))
+
+
+def chosen_attention(logits, top, pages, starts, values):
+    """See `torch_backend.chosen_attention`. -> `[m, G, Dv]` in the values' dtype."""
+    check_chosen_attention(logits, top, pages, starts, values)
+    _check_cpu(logits, top, pages, starts, values)
+    return _ops().chosen_attention.default(logits, top, pages, starts, values)
+
+
+def candidates(scores, carried_pages, carried_scores, count):
+    """See `torch_backend.candidates` (nothing carried: `[n, 0]` tensors). -> `(scores [n, C], pages [n, C])`."""
+    check_candidates(scores, carried_pages, carried_scores, count)
+    _check_cpu(scores, carried_pages, carried_scores)
+    return _ops().candidates.default(scores, carried_pages, carried_scores, count)
+
+
+def page_logits(query, pages, rows, near, near_k, near_index, full_k, tokens, seq, scaling):
+    """See `torch_backend.page_logits`. -> `[n, G, C, P]` fp32."""
+    check_page_logits(query, pages, rows, near, near_k, near_index, full_k, tokens, seq)
+    _check_cpu(query, pages, rows, near_k, near_index, full_k, tokens)
+    return _ops().page_logits.default(query, pages, rows, near, near_k, near_index, full_k, tokens, seq,
+                                      float(scaling))
+
+
+def choose(logits, scores, cand, page, k, carry, score, pages_out, scores_out):
+    """See `torch_backend.choose`. -> `(mass [n, C], top [n, K], pages [n, K])`; the carried candidates written."""
+    check_choose(logits, scores, cand, page, k, carry, pages_out, scores_out)
+    _check_cpu(logits, scores, cand, page, pages_out, scores_out)
+    return _ops().choose.default(logits, scores, cand, page, k, carry, float(score), pages_out, scores_out)
+
+
+def append_token(keys, values, position, length, full_k, full_v, meta, meta_row, win_k, win_v, win_shift,
+                 stable_local, near_k, near_v, near_place, subpage_len):
+    """See `torch_backend.append_token`."""
+    check_append_token(keys, values, full_k, full_v, meta, win_k, win_v, near_k, near_v, subpage_len)
+    _check_cpu(keys, values, position, length, full_k, full_v, meta, win_k, win_v, near_k, near_v)
+    _ops().append_token.default(keys, values, position, length, full_k, full_v, meta, meta_row, win_k, win_v, win_shift,
+                        stable_local, near_k, near_v, near_place, subpage_len)
+
+
+def move_windows(pages, page, local, rows, full_k, full_v, win_k, win_v, win_pages, win_shift, win_base,
+                 win_bias_rows, stable_batch, promoted, num_pages, k, count):
+    """See `torch_backend.move_windows`."""
+    check_move_windows(pages, page, local, rows, full_k, win_k, win_pages, num_pages, k)
+    _check_cpu(pages, page, local, rows, full_k, full_v, win_k, win_v, win_pages, win_shift, promoted)
+    _ops().move_windows.default(pages, page, local, rows, full_k, full_v, win_k, win_v, win_pages, win_shift, win_base,
+                        win_bias_rows, stable_batch, promoted, num_pages, k, count)
+
+
+def _register_fakes():
+    """Output shapes and dtypes for FakeTensor tracing (the ops that only write return nothing)."""
+    fake = torch.library.register_fake
+
+    @fake("flexicache_cpu::page_scores")
+    def _(query, meta, bias, subpages):
+        check_page_scores(query, meta, bias, subpages)
+        return query.new_empty((query.shape[0], meta[0].shape[2] // subpages), dtype=torch.float32)
+
+    @fake("flexicache_cpu::attention")
+    def _(query, keys, values, bias, scaling, softcap=None):
+        check_attention(query, keys, values, bias)
+        return values.new_empty((query.shape[0], query.shape[1], values.shape[2]))
+
+    @fake("flexicache_cpu::chosen_attention")
+    def _(logits, top, pages, starts, values):
+        check_chosen_attention(logits, top, pages, starts, values)
+        return values.new_empty((top.shape[0], logits.shape[1], values.shape[1]))
+
+    @fake("flexicache_cpu::candidates")
+    def _(scores, carried_pages, carried_scores, count):
+        check_candidates(scores, carried_pages, carried_scores, count)
+        n = scores.shape[0]
+        return scores.new_empty((n, count), dtype=torch.float32), scores.new_empty((n, count), dtype=torch.long)
+
+    @fake("flexicache_cpu::page_logits")
+    def _(query, pages, rows, near, near_k, near_index, full_k, tokens, seq, scaling):
+        check_page_logits(query, pages, rows, near, near_k, near_index, full_k, tokens, seq)
+        return query.new_empty((pages.shape[0], query.shape[1], pages.shape[1], tokens.shape[2]), dtype=torch.float32)
+
+    @fake("flexicache_cpu::choose")
+    def _(logits, scores, cand, page, k, carry, score, pages_out, scores_out):
+        check_choose(logits, scores, cand, page, k, carry, pages_out, scores_out)
+        n, c = scores.shape
+        return (scores.new_empty((n, c), dtype=torch.float32), scores.new_empty((n, k), dtype=torch.long),
+                cand.new_empty((n, k)))
+
+    @fake("flexicache_cpu::append_token")
+    def _(keys, values, position, length, full_k, full_v, meta, meta_row, win_k, win_v, win_shift, stable_local,
+          near_k, near_v, near_place, subpage_len):
+        check_append_token(keys, values, full_k, full_v, meta, win_k, win_v, near_k, near_v, subpage_len)
+
+    @fake("flexicache_cpu::move_windows")
+    def _(pages, page, local, rows, full_k, full_v, win_k, win_v, win_pages, win_shift, win_base, win_bias_rows,
+          stable_batch, promoted, num_pages, k, count):
+        check_move_windows(pages, page, local, rows, full_k, win_k, win_pages, num_pages, k)
+
+
+__all__ = ["append_token", "attention", "available", "build_error", "candidates", "choose", "chosen_attention",
+           "move_windows", "page_logits", "page_scores"]
