@@ -4,7 +4,7 @@
 kernels build (`native_ops.py`: compiled on first use, about 20 s once per machine; where they cannot be built it warns
 once and the PyTorch backend serves), else "torch"; `FLEXICACHE_BACKEND=torch|triton|native` (or
 `FlexiCacheConfig.backend`, passed here as `backend=`) forces one. The C++ kernels make the CPU step's calls the GPU
-step's (1.17x dense's ops a layer-step against the PyTorch backend's 2.21x) and measured 3-5% faster on this machine's
+step's (1.16x dense's ops a layer-step against the PyTorch backend's 2.21x) and measured 3-5% faster on this machine's
 CPU (docs/benchmarks.md). The Triton and native backends are the fused ones (`fused`): the same ops, one call each,
 with the same contracts. On the Triton backend
 `page_scores`, `attention`, a decode token's writes (`append_token`), refinement's candidates (`candidates`), their
