@@ -1,6 +1,6 @@
-"""The argument checks of the decode step's fused ops, shared by their Triton (`triton_ops.py`) and C++ CPU
-(`native_ops.py`) implementations and by their fake implementations: a call outside an op's contract raises a
-`ValueError` or `TypeError` that names the shapes it got, on either backend and while compiling."""
+"""The argument checks and fake implementations of the decode step's fused ops, shared by their Triton
+(`triton_ops.py`) and C++ CPU (`native_ops.py`) implementations: a call outside an op's contract raises a `ValueError`
+or `TypeError` that names the shapes it got, on either backend and while compiling."""
 
 import torch
 
@@ -110,3 +110,55 @@ def check_move_windows(pages, page, local, rows, full_k, win_k, win_pages, num_p
     if w < k or win_k.shape[1] != w * (full_k.shape[1] // num_pages) or full_k.shape[1] % num_pages:
         raise ValueError(f"move_windows: windows of {w} pages ({win_k.shape[1]} tokens) for K = {k} and a full tier of "
                          f"{full_k.shape[1]} tokens in {num_pages} pages")
+
+
+# Fake implementations (`torch.library.register_fake`) of both backends' ops: the checks, then outputs of the right
+# shape and dtype with no data (nothing for the ops that only write), so a compiled step keeps each call as one node.
+
+def fake_page_scores(query, meta, bias, subpages):
+    check_page_scores(query, meta, bias, subpages)
+    entries = (meta if isinstance(meta, torch.Tensor) else meta[0]).shape[2]  # one tensor (Triton) or row blocks (C++)
+    return query.new_empty((query.shape[0], entries // subpages), dtype=torch.float32)
+
+
+def fake_attention(query, keys, values, bias, scaling, softcap=None):
+    check_attention(query, keys, values, bias)
+    return values.new_empty((query.shape[0], query.shape[1], values.shape[2]))
+
+
+def fake_append_token(keys, values, position, length, full_k, full_v, meta, meta_row, win_k, win_v, win_shift,
+                      stable_local, near_k, near_v, near_place, subpage_len):
+    check_append_token(keys, values, full_k, full_v, meta, win_k, win_v, near_k, near_v, subpage_len)
+
+
+def fake_choose(logits, scores, cand, page, k, carry, score, pages_out, scores_out):
+    check_choose(logits, scores, cand, page, k, carry, pages_out, scores_out)
+    n, c = scores.shape
+    return (scores.new_empty((n, c), dtype=torch.float32), scores.new_empty((n, k), dtype=torch.long),
+            cand.new_empty((n, k)))
+
+
+def fake_candidates(scores, carried_pages, carried_scores, count):
+    check_candidates(scores, carried_pages, carried_scores, count)
+    n = scores.shape[0]
+    return scores.new_empty((n, count), dtype=torch.float32), scores.new_empty((n, count), dtype=torch.long)
+
+
+def fake_page_logits(query, pages, rows, near, near_k, near_index, full_k, tokens, seq, scaling):
+    check_page_logits(query, pages, rows, near, near_k, near_index, full_k, tokens, seq)
+    return query.new_empty((pages.shape[0], query.shape[1], pages.shape[1], tokens.shape[2]), dtype=torch.float32)
+
+
+def fake_chosen_attention(logits, top, pages, starts, values):
+    check_chosen_attention(logits, top, pages, starts, values)
+    return values.new_empty((top.shape[0], logits.shape[1], values.shape[1]))
+
+
+def fake_move_windows(pages, page, local, rows, full_k, full_v, win_k, win_v, win_pages, win_shift, win_base,
+                      win_bias_rows, stable_batch, promoted, num_pages, k, count):
+    check_move_windows(pages, page, local, rows, full_k, win_k, win_pages, num_pages, k)
+
+
+FAKES = {"page_scores": fake_page_scores, "attention": fake_attention, "append_token": fake_append_token,
+         "choose": fake_choose, "candidates": fake_candidates, "page_logits": fake_page_logits,
+         "chosen_attention": fake_chosen_attention, "move_windows": fake_move_windows}

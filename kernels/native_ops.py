@@ -23,8 +23,8 @@ from typing import Optional
 
 import torch
 
-from .contracts import (check_append_token, check_attention, check_candidates, check_choose, check_chosen_attention,
-                        check_move_windows, check_page_logits, check_page_scores)
+from .contracts import (FAKES, check_append_token, check_attention, check_candidates, check_choose,
+                        check_chosen_attention, check_move_windows, check_page_logits, check_page_scores)
 
 BACKEND = "native"  # the name `dispatch` routes by
 OPS_NAMESPACE = "flexicache_cpu"  # torch.ops.flexicache_cpu.<name>
@@ -158,7 +158,7 @@ def append_token(keys, values, position, length, full_k, full_v, meta, meta_row,
     check_append_token(keys, values, full_k, full_v, meta, win_k, win_v, near_k, near_v, subpage_len)
     _check_cpu(keys, values, position, length, full_k, full_v, meta, win_k, win_v, near_k, near_v)
     _ops().append_token.default(keys, values, position, length, full_k, full_v, meta, meta_row, win_k, win_v, win_shift,
-                        stable_local, near_k, near_v, near_place, subpage_len)
+                                stable_local, near_k, near_v, near_place, subpage_len)
 
 
 def move_windows(pages, page, local, rows, full_k, full_v, win_k, win_v, win_pages, win_shift, win_base,
@@ -167,56 +167,10 @@ def move_windows(pages, page, local, rows, full_k, full_v, win_k, win_v, win_pag
     check_move_windows(pages, page, local, rows, full_k, win_k, win_pages, num_pages, k)
     _check_cpu(pages, page, local, rows, full_k, full_v, win_k, win_v, win_pages, win_shift, promoted)
     _ops().move_windows.default(pages, page, local, rows, full_k, full_v, win_k, win_v, win_pages, win_shift, win_base,
-                        win_bias_rows, stable_batch, promoted, num_pages, k, count)
+                                win_bias_rows, stable_batch, promoted, num_pages, k, count)
 
 
 def _register_fakes():
-    """Output shapes and dtypes for FakeTensor tracing (the ops that only write return nothing)."""
-    fake = torch.library.register_fake
-
-    @fake("flexicache_cpu::page_scores")
-    def _(query, meta, bias, subpages):
-        check_page_scores(query, meta, bias, subpages)
-        return query.new_empty((query.shape[0], meta[0].shape[2] // subpages), dtype=torch.float32)
-
-    @fake("flexicache_cpu::attention")
-    def _(query, keys, values, bias, scaling, softcap=None):
-        check_attention(query, keys, values, bias)
-        return values.new_empty((query.shape[0], query.shape[1], values.shape[2]))
-
-    @fake("flexicache_cpu::chosen_attention")
-    def _(logits, top, pages, starts, values):
-        check_chosen_attention(logits, top, pages, starts, values)
-        return values.new_empty((top.shape[0], logits.shape[1], values.shape[1]))
-
-    @fake("flexicache_cpu::candidates")
-    def _(scores, carried_pages, carried_scores, count):
-        check_candidates(scores, carried_pages, carried_scores, count)
-        n = scores.shape[0]
-        return scores.new_empty((n, count), dtype=torch.float32), scores.new_empty((n, count), dtype=torch.long)
-
-    @fake("flexicache_cpu::page_logits")
-    def _(query, pages, rows, near, near_k, near_index, full_k, tokens, seq, scaling):
-        check_page_logits(query, pages, rows, near, near_k, near_index, full_k, tokens, seq)
-        return query.new_empty((pages.shape[0], query.shape[1], pages.shape[1], tokens.shape[2]), dtype=torch.float32)
-
-    @fake("flexicache_cpu::choose")
-    def _(logits, scores, cand, page, k, carry, score, pages_out, scores_out):
-        check_choose(logits, scores, cand, page, k, carry, pages_out, scores_out)
-        n, c = scores.shape
-        return (scores.new_empty((n, c), dtype=torch.float32), scores.new_empty((n, k), dtype=torch.long),
-                cand.new_empty((n, k)))
-
-    @fake("flexicache_cpu::append_token")
-    def _(keys, values, position, length, full_k, full_v, meta, meta_row, win_k, win_v, win_shift, stable_local,
-          near_k, near_v, near_place, subpage_len):
-        check_append_token(keys, values, full_k, full_v, meta, win_k, win_v, near_k, near_v, subpage_len)
-
-    @fake("flexicache_cpu::move_windows")
-    def _(pages, page, local, rows, full_k, full_v, win_k, win_v, win_pages, win_shift, win_base, win_bias_rows,
-          stable_batch, promoted, num_pages, k, count):
-        check_move_windows(pages, page, local, rows, full_k, win_k, win_pages, num_pages, k)
-
-
-__all__ = ["append_token", "attention", "available", "build_error", "candidates", "choose", "chosen_attention",
-           "move_windows", "page_logits", "page_scores"]
+    """Output shapes and dtypes for FakeTensor tracing: the Triton ops' fakes (`contracts.FAKES`), the same contracts."""
+    for name, fake in FAKES.items():
+        torch.library.register_fake(f"{OPS_NAMESPACE}::{name}")(fake)

@@ -58,7 +58,9 @@ OPS_NAMESPACE = "flexicache"  # torch.ops.flexicache.<name>
 from .contracts import (check_append_token as _check_append_token, check_attention as _check_attention,
                         check_candidates as _check_candidates, check_choose as _check_choose,
                         check_chosen_attention as _check_chosen_attention, check_move_windows as _check_move_windows,
-                        check_page_logits as _check_page_logits, check_page_scores as _check_page_scores)
+                        check_page_logits as _check_page_logits, check_page_scores as _check_page_scores,
+                        fake_append_token, fake_attention, fake_candidates, fake_choose, fake_chosen_attention,
+                        fake_move_windows, fake_page_logits, fake_page_scores)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -154,10 +156,7 @@ def page_scores(query: torch.Tensor, meta: torch.Tensor, bias: torch.Tensor, sub
     return out
 
 
-@page_scores.register_fake
-def _page_scores_fake(query, meta, bias, subpages):
-    _check_page_scores(query, meta, bias, subpages)
-    return query.new_empty((query.shape[0], meta.shape[2] // subpages), dtype=torch.float32)
+page_scores.register_fake(fake_page_scores)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -399,10 +398,7 @@ def attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bia
     return out
 
 
-@attention.register_fake
-def _attention_fake(query, keys, values, bias, scaling, softcap=None):
-    _check_attention(query, keys, values, bias)
-    return values.new_empty((query.shape[0], query.shape[1], values.shape[2]))
+attention.register_fake(fake_attention)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -503,10 +499,7 @@ def _append_token_launch(keys, values, position, length, full_k, full_v, meta, m
     return args, constexprs
 
 
-@append_token.register_fake
-def _append_token_fake(keys, values, position, length, full_k, full_v, meta, meta_row, win_k, win_v, win_shift,
-                       stable_local, near_k, near_v, near_place, subpage_len):
-    _check_append_token(keys, values, full_k, full_v, meta, win_k, win_v, near_k, near_v, subpage_len)
+append_token.register_fake(fake_append_token)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -667,12 +660,7 @@ def choose(logits: torch.Tensor, scores: torch.Tensor, cand: torch.Tensor, page:
     return mass, top, chosen
 
 
-@choose.register_fake
-def _choose_fake(logits, scores, cand, page, k, carry, score, pages_out, scores_out):
-    _check_choose(logits, scores, cand, page, k, carry, pages_out, scores_out)
-    n, c = scores.shape
-    return (scores.new_empty((n, c), dtype=torch.float32), scores.new_empty((n, k), dtype=torch.long),
-            cand.new_empty((n, k)))
+choose.register_fake(fake_choose)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -745,11 +733,7 @@ def candidates(scores: torch.Tensor, carried_pages: torch.Tensor, carried_scores
     return out_scores, out_pages
 
 
-@candidates.register_fake
-def _candidates_fake(scores, carried_pages, carried_scores, count):
-    _check_candidates(scores, carried_pages, carried_scores, count)
-    n = scores.shape[0]
-    return scores.new_empty((n, count), dtype=torch.float32), scores.new_empty((n, count), dtype=torch.long)
+candidates.register_fake(fake_candidates)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -848,10 +832,7 @@ def page_logits(query: torch.Tensor, pages: torch.Tensor, rows: torch.Tensor, ne
     return out
 
 
-@page_logits.register_fake
-def _page_logits_fake(query, pages, rows, near, near_k, near_index, full_k, tokens, seq, scaling):
-    _check_page_logits(query, pages, rows, near, near_k, near_index, full_k, tokens, seq)
-    return query.new_empty((pages.shape[0], query.shape[1], pages.shape[1], tokens.shape[2]), dtype=torch.float32)
+page_logits.register_fake(fake_page_logits)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -934,10 +915,7 @@ def chosen_attention(logits: torch.Tensor, top: torch.Tensor, pages: torch.Tenso
     return out
 
 
-@chosen_attention.register_fake
-def _chosen_attention_fake(logits, top, pages, starts, values):
-    _check_chosen_attention(logits, top, pages, starts, values)
-    return values.new_empty((top.shape[0], logits.shape[1], values.shape[1]))
+chosen_attention.register_fake(fake_chosen_attention)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -1060,10 +1038,7 @@ def move_windows(pages: torch.Tensor, page: torch.Tensor, local: torch.Tensor, r
     _move_windows_kernel[(pages.shape[0],)](**args, **constexprs)
 
 
-@move_windows.register_fake
-def _move_windows_fake(pages, page, local, rows, full_k, full_v, win_k, win_v, win_pages, win_shift, win_base,
-                       win_bias_rows, stable_batch, promoted, num_pages, k, count):
-    _check_move_windows(pages, page, local, rows, full_k, win_k, win_pages, num_pages, k)
+move_windows.register_fake(fake_move_windows)
 
 
 __all__ = ["append_token", "attention", "candidates", "choose", "chosen_attention", "move_windows", "page_logits",
