@@ -130,8 +130,8 @@ class FlexiCacheLayer(VerifiedDecoding, CacheLayerMixin):
                 "cannot serve it. The cache is still empty."
             )
         self.device, self.dtype = key_states.device, key_states.dtype
-        kernels.backend_for(key_states, self.cfg.backend)  # loads (first time: builds) the C++ kernels here, never while
-        # a compiled step is being traced
+        # Loads (the first time: builds) the C++ kernels here, at the prompt, never while a compiled step is traced.
+        kernels.backend_for(key_states, self.cfg.backend)
         self.batch, self.head_dim, self.value_dim = key_states.shape[0], key_states.shape[-1], value_states.shape[-1]
         self._build(self.batch, self.owner.capacity_for(key_states.shape[2], self.batch))
         self.is_initialized = True

@@ -12,8 +12,9 @@ def check_page_scores(query, meta, bias, subpages):
     blocks = [meta] if isinstance(meta, torch.Tensor) else list(meta)
     if query.dim() != 3 or bias.dim() != 2 or not blocks or any(
             b.dim() != 3 or b.shape[1:] != blocks[0].shape[1:] or b.dtype != blocks[0].dtype for b in blocks):
-        raise ValueError(f"page_scores: query [n, G, D], meta [n, 2D, E] (or row blocks of it, one dtype), bias [n, E]; "
-                         f"got {tuple(query.shape)}, {[tuple(b.shape) for b in blocks]}, {tuple(bias.shape)}")
+        raise ValueError(f"page_scores: query [n, G, D], meta [n, 2D, E] (or row blocks of it, one dtype), "
+                         f"bias [n, E]; got {tuple(query.shape)}, {[tuple(b.shape) for b in blocks]}, "
+                         f"{tuple(bias.shape)}")
     n, _, d = query.shape
     rows, channels, entries = sum(b.shape[0] for b in blocks), blocks[0].shape[1], blocks[0].shape[2]
     if rows != n or channels != 2 * d or tuple(bias.shape) != (n, entries):

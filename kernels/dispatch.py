@@ -12,8 +12,8 @@ logits with the keys read in place (`page_logits`), refinement's choice (`choose
 candidates), the unstable rows' attention over that ranking's own logits (`chosen_attention`) and a re-rank's window
 moves (`move_windows`) run Triton kernels registered as `torch.library` custom ops
 (`flexicache::<name>`, in `triton_ops.py`, imported only on first use so Triton stays optional), each one node of a
-compiled step; on the native backend the C++ kernels of the same names (`flexicache_cpu::<name>`). The other primitives (`page_mass`, `gather_pages`, `subpage_minmax`) are the
-PyTorch backend (`torch_backend.py`) on both.
+compiled step; on the native backend the C++ kernels of the same names (`flexicache_cpu::<name>`). The other
+primitives (`page_mass`, `gather_pages`, `subpage_minmax`) are the PyTorch backend (`torch_backend.py`) on both.
 """
 
 from __future__ import annotations

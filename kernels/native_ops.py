@@ -171,6 +171,6 @@ def move_windows(pages, page, local, rows, full_k, full_v, win_k, win_v, win_pag
 
 
 def _register_fakes():
-    """Output shapes and dtypes for FakeTensor tracing: the Triton ops' fakes (`contracts.FAKES`), the same contracts."""
+    """Output shapes and dtypes for FakeTensor tracing: the Triton ops' fakes (`contracts.FAKES`)."""
     for name, fake in FAKES.items():
         torch.library.register_fake(f"{OPS_NAMESPACE}::{name}")(fake)

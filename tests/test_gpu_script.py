@@ -128,7 +128,8 @@ def test_main_writes_json_and_table_after_every_case(monkeypatch, tmp_path):
         assert len(r["step_ms"]) == 3 and r["warmup_steps"] == 2 and r["tok_s"] > 0 and r["device_bytes"] > 0
     assert rows["flexicache, compiled"]["compiled"] and rows["flexicache, compiled"]["graphs"] >= 1
     assert any("scaled_dot_product" in name for name in rows["sdpa"]["sdpa_kernels"])
-    assert rows["quest"]["flexicache_backend"] == dispatch.backend_for(torch.zeros(1)) and rows["quest"]["stats"]["decode_steps"] == 6
+    assert rows["quest"]["flexicache_backend"] == dispatch.backend_for(torch.zeros(1))  # this CPU's: C++ where built
+    assert rows["quest"]["stats"]["decode_steps"] == 6
     assert len(record["workers"]) == 1 and record["workers"][0]["returncode"] == 0
 
 

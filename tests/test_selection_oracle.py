@@ -200,7 +200,7 @@ def test_mutant_carried_pages_dropped(monkeypatch):
         return pages, torch.full_like(scores, float("-inf"))
 
     monkeypatch.setattr(selection.PageSelector, "_carry_out", nothing)
-    monkeypatch.setenv("FLEXICACHE_BACKEND", "torch")  # `_carry_out` is the PyTorch path's (the fused `choose` op's own)
+    monkeypatch.setenv("FLEXICACHE_BACKEND", "torch")  # `_carry_out` is the PyTorch path's; `choose` carries its own
     with pytest.raises(AssertionError, match="^selection"):
         run_case(CARRY)
 
@@ -216,7 +216,7 @@ def test_mutant_carried_successors_dropped(monkeypatch):
         return pages, scores
 
     monkeypatch.setattr(selection.PageSelector, "_carry_out", no_successor)
-    monkeypatch.setenv("FLEXICACHE_BACKEND", "torch")  # `_carry_out` is the PyTorch path's (the fused `choose` op's own)
+    monkeypatch.setenv("FLEXICACHE_BACKEND", "torch")  # `_carry_out` is the PyTorch path's; `choose` carries its own
     with pytest.raises(AssertionError, match="^selection"):
         run_case(CARRY)
 

@@ -83,6 +83,12 @@ def fused_ops(request):
     return native_ops
 
 
+def _raw_ops(fused_ops):
+    """The backend's op namespace (`torch.ops.flexicache` or `torch.ops.flexicache_cpu`): the ops without their
+    Python wrappers, for opcheck and graph nodes."""
+    return getattr(torch.ops, fused_ops.OPS_NAMESPACE)
+
+
 @pytest.fixture(autouse=True)
 def nan_filled_allocations(monkeypatch):
     """Fresh float allocations start as NaN, so an output element a kernel never writes fails the comparisons
@@ -451,16 +457,16 @@ def test_writing_ops_check_and_compile(fused_ops):
     position, length = torch.tensor(26, device=DEVICE), torch.tensor(26, device=DEVICE)
     call = (keys, values, position, length, full_k, full_v, meta, meta_row, win_k, win_v, win_shift, local, near_k,
             near_v, near_place, sub)
-    torch.library.opcheck(getattr(torch.ops, fused_ops.OPS_NAMESPACE).append_token.default, tuple(
+    torch.library.opcheck(_raw_ops(fused_ops).append_token.default, tuple(
         t.clone() if isinstance(t, torch.Tensor) else t for t in call))
     logits, scores, cand, page = (t.to(DEVICE) for t in _choice_inputs(3, 2, 16, 4, True, seed=4))
     carried = (torch.zeros(3, 6, dtype=torch.long, device=DEVICE), torch.zeros(3, 6, device=DEVICE))
-    torch.library.opcheck(getattr(torch.ops, fused_ops.OPS_NAMESPACE).choose.default, (logits.clamp(min=-30), scores.clamp(-9, 9), cand, page,
-                                                                8, 3, 2.5) + carried)
+    torch.library.opcheck(_raw_ops(fused_ops).choose.default,
+                          (logits.clamp(min=-30), scores.clamp(-9, 9), cand, page, 8, 3, 2.5) + carried)
     moves = {name: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for name, v in _move_inputs(seed=5).items()}
     moves["local"], moves["rows"] = moves["local"][:3], moves["rows"][:3]  # opcheck runs it again: no padded place
     moves["pages"], moves["page"] = moves["pages"][:3], moves["page"][:3]
-    torch.library.opcheck(getattr(torch.ops, fused_ops.OPS_NAMESPACE).move_windows.default, tuple(moves.values()) + (True,))
+    torch.library.opcheck(_raw_ops(fused_ops).move_windows.default, tuple(moves.values()) + (True,))
 
     def step(*a):
         dispatch.append_token(*a, backend=fused_ops.BACKEND)
@@ -521,8 +527,8 @@ def test_candidates_match_backend(fused_ops, n, pages, count, width):
     # the lower pages of the cut's score: a page at the cut is taken only where every lower one at the cut is
     taken = torch.zeros_like(raised, dtype=torch.bool).scatter_(1, got_pages, True)
     assert torch.equal(taken, above | (at & (at.cumsum(1) <= count - above.sum(1, keepdim=True))))
-    torch.library.opcheck(getattr(torch.ops, fused_ops.OPS_NAMESPACE).candidates.default, (tied.to(DEVICE), carried_pages.to(DEVICE),
-                                                                     carried_scores.to(DEVICE), count))
+    torch.library.opcheck(_raw_ops(fused_ops).candidates.default,
+                          (tied.to(DEVICE), carried_pages.to(DEVICE), carried_scores.to(DEVICE), count))
 
 
 def _logits_inputs(n, g, d, p, c, near, sequences, dtype, seed):
@@ -568,7 +574,7 @@ def test_page_logits_matches_backend_and_is_the_same_number_in_any_company(fused
     some = torch.arange(c - 1, -1, -2)  # every other page, in reverse
     dev[1] = dev[1][:, some]
     assert torch.equal(fused_ops.page_logits(*dev, 0.125).cpu(), got[:, :, some])
-    torch.library.opcheck(getattr(torch.ops, fused_ops.OPS_NAMESPACE).page_logits.default, tuple(dev) + (0.125,))
+    torch.library.opcheck(_raw_ops(fused_ops).page_logits.default, tuple(dev) + (0.125,))
 
 
 def test_verification_blocks_are_the_loop_with_refinement_and_attention_from_the_ops(fused_ops, monkeypatch):
@@ -583,11 +589,11 @@ def test_verification_blocks_are_the_loop_with_refinement_and_attention_from_the
 
     launches = []
 
-    class OpsForRefinement:  # refinement's ops on the Triton backend; every other primitive the PyTorch path
+    class OpsForRefinement:  # refinement's ops on the fused backend; every other primitive the PyTorch path
         def __getattr__(self, name):
             if name in ("candidates", "page_logits", "choose", "chosen_attention"):
-                return lambda *args, backend=None: launches.append(name) or getattr(dispatch, name)(*args,
-                                                                                                   backend=fused_ops.BACKEND)
+                return lambda *args, backend=None: (launches.append(name)
+                                                    or getattr(dispatch, name)(*args, backend=fused_ops.BACKEND))
             return getattr(dispatch, name)
 
         @staticmethod
@@ -742,7 +748,7 @@ def test_chosen_attention_matches_backend_and_fp64(fused_ops, m, g, c, k, p, dv,
     ulp = torch.finfo(dtype).eps * exact.nan_to_num().abs().max().item()
     assert err <= TOL[dtype] and err <= 2 * err_ref + ulp, f"Triton {err:.2e}, backend {err_ref:.2e}"
     # opcheck compares repeated runs: rows 1.. (no NaN)
-    torch.library.opcheck(getattr(torch.ops, fused_ops.OPS_NAMESPACE).chosen_attention.default, tuple(t[1:] for t in dev[:4]) + (dev[4],))
+    torch.library.opcheck(_raw_ops(fused_ops).chosen_attention.default, tuple(t[1:] for t in dev[:4]) + (dev[4],))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -814,20 +820,20 @@ def test_fake_implementations_give_shapes_and_dtypes(fused_ops):
 
     with FakeTensorMode():
         q = torch.empty(6, 4, 64, dtype=torch.bfloat16)
-        ops_ = getattr(torch.ops, fused_ops.OPS_NAMESPACE)
-        scores = ops_.page_scores(q, _meta_arg(fused_ops, torch.empty(6, 128, 40, dtype=torch.bfloat16)),
+        raw = _raw_ops(fused_ops)
+        scores = raw.page_scores(q, _meta_arg(fused_ops, torch.empty(6, 128, 40, dtype=torch.bfloat16)),
                                   torch.empty(6, 40), 4)
         assert scores.shape == (6, 10) and scores.dtype == torch.float32 and scores.device == q.device
         keys, values = torch.empty(6, 96, 64, dtype=torch.bfloat16), torch.empty(6, 96, 48, dtype=torch.bfloat16)
         for bias in (torch.empty(6, 96), torch.empty(6, 4, 96)):
-            out = getattr(torch.ops, fused_ops.OPS_NAMESPACE).attention(q, keys, values, bias, 0.125, 50.0)
+            out = raw.attention(q, keys, values, bias, 0.125, 50.0)
             assert out.shape == (6, 4, 48) and out.dtype == torch.bfloat16
         with pytest.raises(ValueError, match="page_scores"):
-            ops_.page_scores(q, _meta_arg(fused_ops, torch.empty(6, 128, 40)), torch.empty(6, 40), 3)
+            raw.page_scores(q, _meta_arg(fused_ops, torch.empty(6, 128, 40)), torch.empty(6, 40), 3)
         with pytest.raises(ValueError, match="attention"):
-            getattr(torch.ops, fused_ops.OPS_NAMESPACE).attention(q, keys, values, torch.empty(6, 95), 0.125)
-    meta = getattr(torch.ops, fused_ops.OPS_NAMESPACE).attention(*(torch.empty(s, device="meta") for s in ((2, 3, 8), (2, 5, 8), (2, 5, 4),
-                                                                                      (2, 3, 5))), 1.0)
+            raw.attention(q, keys, values, torch.empty(6, 95), 0.125)
+    meta = _raw_ops(fused_ops).attention(*(torch.empty(s, device="meta")
+                                           for s in ((2, 3, 8), (2, 5, 8), (2, 5, 4), (2, 3, 5))), 1.0)
     assert meta.shape == (2, 3, 4) and meta.device.type == "meta"
 
 
@@ -835,12 +841,12 @@ def test_opcheck(fused_ops):
     """torch.library.opcheck: schema, fake tensor agreement with the real kernel, AOT dispatch (dynamic shapes)."""
     query, meta, bias, _, _ = _score_inputs(2, 3, 16, 5, 2, torch.float32, "contiguous", seed=1)
     bias = bias.clamp(-10.0, 10.0)  # opcheck compares outputs of repeated runs: keep them finite
-    torch.library.opcheck(getattr(torch.ops, fused_ops.OPS_NAMESPACE).page_scores.default,
+    torch.library.opcheck(_raw_ops(fused_ops).page_scores.default,
                           (query.to(DEVICE), _meta_arg(fused_ops, meta.to(DEVICE)), bias.to(DEVICE), 2))
     query, keys, values, bias = _attention_inputs(2, 3, 16, 8, 20, torch.float32, True, (), seed=2)
     dev = tuple(t.to(DEVICE) for t in (query, keys, values, bias))
-    torch.library.opcheck(getattr(torch.ops, fused_ops.OPS_NAMESPACE).attention.default, dev + (0.25, 5.0))
-    torch.library.opcheck(getattr(torch.ops, fused_ops.OPS_NAMESPACE).attention.default, dev[:3] + (dev[3][:, 0],) + (0.25,))
+    torch.library.opcheck(_raw_ops(fused_ops).attention.default, dev + (0.25, 5.0))
+    torch.library.opcheck(_raw_ops(fused_ops).attention.default, dev[:3] + (dev[3][:, 0],) + (0.25,))
 
 
 def test_compiled_step_keeps_each_op_as_one_node(fused_ops):
@@ -876,8 +882,8 @@ def test_compiled_step_keeps_each_op_as_one_node(fused_ops):
     torch._dynamo.reset()
     torch.compile(step, fullgraph=True, backend=aot_autograd(fw_compiler=capture))(*args)
     aten = [node.target for node in graphs[0].graph.nodes if node.op == "call_function"]
-    assert aten.count(getattr(torch.ops, fused_ops.OPS_NAMESPACE).page_scores.default) == 1
-    assert aten.count(getattr(torch.ops, fused_ops.OPS_NAMESPACE).attention.default) == 1
+    assert aten.count(_raw_ops(fused_ops).page_scores.default) == 1
+    assert aten.count(_raw_ops(fused_ops).attention.default) == 1
     for got, want in zip(compiled, eager):
         torch.testing.assert_close(got, want)
 
