@@ -41,9 +41,8 @@ struct Floats {
   }
 };
 
-// max and min that propagate NaN, as torch.amax / torch.maximum.
+// max that propagates NaN, as torch.amax / torch.maximum.
 inline float nan_max(float a, float b) { return (a != a || a > b) ? a : b; }
-inline float nan_min(float a, float b) { return (a != a || a < b) ? a : b; }
 
 // exp in fp32 without a library call, so the loops around it vectorise: 2^n times a degree-6 polynomial of the rest
 // (Cephes' expf coefficients, within about 2 ulp of std::exp); exp(-inf) = 0, exp(+inf) = inf, NaN stays NaN. Below
