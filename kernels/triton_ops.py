@@ -455,6 +455,10 @@ def _append_token_kernel(
     tokens = tl.where((offs_t == pos)[:, None], key.to(tl.float32)[None, :], tokens.to(tl.float32))
     high = tl.max(tl.where(t_ok[:, None], tokens, float("-inf")), axis=0)
     low = tl.min(tl.where(t_ok[:, None], tokens, float("inf")), axis=0)
+    # tl.max / tl.min skip NaN on a GPU; a NaN key makes its channel's bounds NaN, as amax / amin do.
+    nan = tl.max((t_ok[:, None] & (tokens != tokens)).to(tl.int32), axis=0) > 0
+    high = tl.where(nan, float("nan"), high)
+    low = tl.where(nan, float("nan"), low)
     entry = meta_ptr + tl.load(meta_row_ptr + row) * stride_mn + sub * stride_me
     tl.store(entry + offs_d * stride_mc, high.to(meta_ptr.dtype.element_ty), mask=d_ok)
     tl.store(entry + (D + offs_d) * stride_mc, low.to(meta_ptr.dtype.element_ty), mask=d_ok)

@@ -382,6 +382,27 @@ def test_append_token_matches_backend(fused_ops, dtype, near, position):
         assert not torch.equal(want[name], before), f"{name} was not written"
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_append_token_minmax_keeps_nan_keys(fused_ops, dtype):
+    """A NaN key, the new token's or one already in the sub-page, makes that channel's MinMax bounds NaN, as the
+    backend's amax / amin do (a max or min that skipped it would bound the page as if the key were not there); the
+    other channels and rows keep finite bounds equal to the backend's."""
+    position = 26  # sub-page 6 holds positions 24..27
+    inputs = _append_inputs(dtype, near=True, seed=5)
+    inputs["keys"][2, 5] = float("nan")  # the new token of row 2, channel 5
+    inputs["full_k"][4, 25, 7] = float("nan")  # row 4's earlier token in the same sub-page, channel 7
+    got = _append(fused_ops.append_token, inputs, position)
+    want = _append(torch_backend.append_token, inputs, position)
+    d = inputs["keys"].shape[1]
+    for row, channel in ((2, 5), (4, 7)):
+        entry = want["meta"][inputs["meta_row"][row], :, position // 4]
+        assert torch.isnan(entry[[channel, d + channel]]).all() and torch.isnan(entry).sum() == 2
+    assert torch.isnan(want["meta"]).sum() == 4
+    for name, expected in want.items():
+        if name != "length":
+            torch.testing.assert_close(got[name], expected, rtol=0, atol=0, equal_nan=True, msg=name)
+
+
 def test_one_launch_ops_write_what_a_decode_step_writes(fused_ops, monkeypatch):
     """On a real cache (stable, unstable and streaming rows, a layer without stable rows, near rows apart or not,
     promotions and page openings) decode steps whose token writes and window moves go through the ops leave every state

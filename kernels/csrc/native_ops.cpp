@@ -43,6 +43,7 @@ struct Floats {
 
 // max that propagates NaN, as torch.amax / torch.maximum.
 inline float nan_max(float a, float b) { return (a != a || a > b) ? a : b; }
+inline float nan_min(float a, float b) { return (a != a || a < b) ? a : b; }
 
 // exp in fp32 without a library call, so the loops around it vectorise: 2^n times a degree-6 polynomial of the rest
 // (Cephes' expf coefficients, within about 2 ulp of std::exp); exp(-inf) = 0, exp(+inf) = inf, NaN stays NaN. Below
@@ -535,8 +536,8 @@ void append_token(const at::Tensor& keys, const at::Tensor& values, const at::Te
           float high = kNegInf, low = kPosInf;
           for (int64_t t = sub * subpage_len; t < (sub + 1) * subpage_len; ++t) {
             const float x = as_float(fk[r * fks[0] + t * fks[1] + c * fks[2]]);
-            high = std::max(high, x);
-            low = std::min(low, x);
+            high = nan_max(high, x);  // a NaN key makes its channel's bounds NaN, as amax / amin do
+            low = nan_min(low, x);
           }
           entry[c * ms[1]] = static_cast<T>(high);
           entry[(d + c) * ms[1]] = static_cast<T>(low);
