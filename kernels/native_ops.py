@@ -1,9 +1,11 @@
 """C++ CPU kernels of the decode step: the fused ops of `triton_ops.py` (same names, same contracts, one call each) for
 CPU tensors, so that a CPU step issues the calls a GPU step launches instead of the PyTorch backend's many small ops.
 
-The source is `csrc/native_ops.cpp`; it is compiled with `torch.utils.cpp_extension` (a C++ compiler and ninja) on
-first use, about 20 s once per machine and torch version (cached under `TORCH_EXTENSIONS_DIR`, default
-`~/.cache/torch_extensions`), and registers the ops `flexicache_cpu::<name>`. Where it cannot be built, `available()`
+The source is `csrc/native_ops.cpp`. On first use it is compiled by the C++ compiler (`$CXX`, default `c++`; C++20)
+against the installed torch's headers and libraries, about 20 s once per machine, source and torch version; no build
+tool beyond the compiler (torch's `cpp_extension.load` would need ninja, which pip does not bring). Builds are cached in
+`$TORCH_EXTENSIONS_DIR/flexicache_native` (default `~/.cache/torch_extensions`), and loaded with
+`torch.ops.load_library`, which registers the ops `flexicache_cpu::<name>`. Where it cannot be built, `available()`
 says why (`build_error()`) and `dispatch.py` keeps the PyTorch backend: the native path is a speed-up, never a
 requirement. Each wrapper checks its arguments against the contract (`contracts.py`) first; each op has a fake
 implementation, so a compiled step keeps a call as one node.
@@ -17,6 +19,8 @@ from __future__ import annotations
 
 import hashlib
 import os
+import subprocess
+import time
 import warnings
 from pathlib import Path
 from typing import Optional
@@ -30,6 +34,7 @@ BACKEND = "native"  # the name `dispatch` routes by
 OPS_NAMESPACE = "flexicache_cpu"  # torch.ops.flexicache_cpu.<name>
 _SOURCE = Path(__file__).with_name("csrc") / "native_ops.cpp"
 _DISABLE_ENV = "FLEXICACHE_NATIVE"  # "0": never build or use the C++ kernels
+_UNUSED_DAYS = 30  # a cached build no process loaded for this long is removed when another one is built
 _build_error: Optional[str] = None
 _loaded: Optional[bool] = None  # None: not tried yet
 
@@ -49,30 +54,69 @@ def _load() -> bool:
         _build_error = f"{_DISABLE_ENV}=0"
         return False
     try:
-        from torch.utils import cpp_extension
-
-        error = None
-        for flags in (["-O3", "-march=native"], ["-O3"]):  # this machine's vector units where the compiler knows them
-            # Named by the source, the flags and the machine: checkouts with other sources, or machines sharing a
-            # home folder, keep builds of their own and never replace a library a running process has loaded.
-            digest = hashlib.sha1(_SOURCE.read_bytes() + " ".join(flags).encode() + _machine().encode()).hexdigest()
-            try:
-                cpp_extension.load(name=f"flexicache_native_{digest[:12]}", sources=[str(_SOURCE)], extra_cflags=flags,
-                                   is_python_module=False, verbose=False)
-                break
-            except Exception as failed:  # noqa: PERF203 (two tries at most)
-                error = failed
-        else:
-            raise error
-    except Exception as error:  # no compiler, no ninja, a failed build: the PyTorch backend serves instead
+        torch.ops.load_library(str(_build()))
+    except Exception as error:  # no compiler, a failed build: the PyTorch backend serves instead
         _build_error = f"{type(error).__name__}: {error}".strip()
         warnings.warn(f"FlexiCache's C++ CPU kernels could not be built ({_build_error.splitlines()[0]}); the CPU "
-                      f"decode step uses the PyTorch backend (same results, more ops a step). Install a C++ compiler "
-                      f"and ninja to build them, or set {_DISABLE_ENV}=0 to silence this.", RuntimeWarning,
-                      stacklevel=2)
+                      f"decode step uses the PyTorch backend (same results, more ops a step). Install a C++20 "
+                      f"compiler (or point $CXX at one) to build them, or set {_DISABLE_ENV}=0 to silence this.",
+                      RuntimeWarning, stacklevel=2)
         return False
     _register_fakes()
     return True
+
+
+def build_folder() -> Path:
+    """Where builds are cached: `$TORCH_EXTENSIONS_DIR/flexicache_native`, default `~/.cache/torch_extensions/...`."""
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions"
+    return Path(root) / "flexicache_native"
+
+
+def _build() -> Path:
+    """The path of the shared library for this source, torch and CPU, compiled unless cached (by any compiler).
+    `-march=native` (this machine's vector units) is tried first, then plain `-O3`; a failure raises with the
+    compiler's last words."""
+    from torch.utils import cpp_extension
+
+    compiler = os.environ.get("CXX") or "c++"
+    folder = build_folder()
+    folder.mkdir(parents=True, exist_ok=True)
+    includes = [arg for path in cpp_extension.include_paths() for arg in ("-isystem", path)]
+    libraries = [f"-L{path}" for path in cpp_extension.library_paths()] + ["-lc10", "-ltorch_cpu", "-ltorch"]
+    failures = []
+    for flags in (["-O3", "-march=native"], ["-O3"]):
+        # Named by all that goes into it, so checkouts with other sources, other torch versions or machines sharing a
+        # home folder keep builds of their own and never replace a library a running process has loaded.
+        key = [_SOURCE.read_bytes(), torch.__version__, *flags, *includes, *libraries, _machine()]
+        digest = hashlib.sha1(b"\0".join(k if isinstance(k, bytes) else k.encode() for k in key)).hexdigest()[:16]
+        target = folder / f"flexicache_native_{digest}.so"
+        if target.exists():
+            os.utime(target)  # marks it used (see `_remove_unused`)
+            return target
+        partial = folder / f"{target.stem}.{os.getpid()}.partial"  # renamed into place whole: no half-written library
+        command = [compiler, "-shared", "-fPIC", "-std=c++20", *flags, *includes, str(_SOURCE), *libraries, "-o",
+                   str(partial)]
+        try:
+            run = subprocess.run(command, capture_output=True, text=True)
+        except OSError as error:  # no compiler at all
+            raise RuntimeError(f"cannot run the C++ compiler {compiler!r}: {error}") from None
+        if run.returncode == 0:
+            os.replace(partial, target)
+            _remove_unused(folder, target)
+            return target
+        partial.unlink(missing_ok=True)
+        failures.append(f"{' '.join(flags)}: exit {run.returncode}: {run.stderr.strip()[-1500:]}")
+    raise RuntimeError(f"{compiler} failed to compile {_SOURCE.name}\n" + "\n".join(failures))
+
+
+def _remove_unused(folder: Path, keep: Path):
+    """Removes cached builds no process loaded in `_UNUSED_DAYS` days (each load touches its file), and partial ones a
+    day old; a process that has a removed library loaded keeps it (it is only unlinked)."""
+    now = time.time()
+    for path in folder.iterdir():
+        age = now - path.stat().st_mtime
+        if path != keep and (age > _UNUSED_DAYS * 86400 if path.suffix == ".so" else age > 86400):
+            path.unlink(missing_ok=True)
 
 
 def _machine() -> str:

@@ -956,7 +956,7 @@ def test_native_build_failure_warns_once_and_the_pytorch_backend_serves(tmp_path
             got = [dispatch.attention(q, k, v, b, 1.0, backend="native") for _ in range(2)]
         assert not native_ops.available() and native_ops.build_error(), native_ops.build_error()
         texts = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
-        assert len(texts) == 1 and "C++ compiler" in texts[0], texts
+        assert len(texts) == 1 and "Install a C++20 compiler" in texts[0] and "no-compiler" in texts[0], texts
         want = dispatch.attention(q, k, v, b, 1.0, backend="torch")
         assert all(torch.equal(g, want) for g in got)
         print("ok")
@@ -966,6 +966,44 @@ def test_native_build_failure_warns_once_and_the_pytorch_backend_serves(tmp_path
     run = subprocess.run([sys.executable, "-c", script], cwd=ROOT / "tests", env=env, capture_output=True, text=True,
                          timeout=300)
     assert run.returncode == 0 and run.stdout.strip() == "ok", run.stdout[-2000:] + run.stderr[-3000:]
+
+
+def test_native_kernels_build_with_only_a_compiler_and_are_cached(tmp_path):
+    """The C++ kernels build in a process that has a compiler and no ninja on its PATH (pip brings none); a second
+    process loads the cached build without compiling (its compiler does not exist); builds no process loaded for 30
+    days are removed when one is built, and recent ones kept."""
+    import shutil
+
+    folder = tmp_path / "extensions" / "flexicache_native"
+    folder.mkdir(parents=True)
+    stale, recent = folder / "flexicache_native_stale.so", folder / "flexicache_native_recent.so"
+    for path, days in ((stale, 31), (recent, 1)):
+        path.write_bytes(b"")
+        os.utime(path, (path.stat().st_atime, path.stat().st_mtime - days * 86400))
+    bin_dir = tmp_path / "bin"  # the PATH: only a compiler, which runs with the PATH it would have had
+    bin_dir.mkdir()
+    compiler = bin_dir / "c++"
+    compiler.write_text(f"#!/bin/sh\nPATH='{os.environ['PATH']}' exec {shutil.which('c++') or 'c++'} \"$@\"\n")
+    compiler.chmod(0o755)
+    script = textwrap.dedent("""
+        import shutil, sys, torch
+        from fc_hf.kernels import native_ops
+        assert shutil.which("ninja") is None
+        torch.manual_seed(0)
+        q, k, v, b = torch.randn(2, 3, 8), torch.randn(2, 5, 8), torch.randn(2, 5, 8), torch.zeros(2, 5)
+        print(native_ops.available(), native_ops.build_error(), float(native_ops.attention(q, k, v, b, 1.0).sum()))
+    """)
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "FLEXICACHE_BACKEND", "CXX")}
+    env.update(PATH=str(bin_dir), TORCH_EXTENSIONS_DIR=str(tmp_path / "extensions"))
+    outputs = []
+    for cxx in (None, str(tmp_path / "no-compiler")):
+        run = subprocess.run([sys.executable, "-c", script], cwd=ROOT / "tests", env=env if cxx is None else
+                             {**env, "CXX": cxx}, capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+        outputs.append(run.stdout.split())
+    assert outputs[0][:2] == ["True", "None"] and outputs[1] == outputs[0], outputs
+    built = sorted(p.name for p in folder.iterdir())
+    assert len(built) == 2 and recent.name in built and stale.name not in built, built
 
 
 def test_triton_stays_optional():
