@@ -182,8 +182,9 @@ def test_page_scores_matches_backend_and_bruteforce(fused_ops, n, g, d, pages, s
         assert torch.equal(torch.isneginf(out), torch.isneginf(expected))
         torch.testing.assert_close(out, expected, rtol=1e-5, atol=2e-6 * d)
     finite = torch.isfinite(ref)
-    _record("page_scores, Triton vs backend", dtype, (out[finite] - ref[finite]).abs().max().item())
-    _record("page_scores, Triton vs oracle", dtype, (out[finite].double() - oracle[finite].double()).abs().max().item())
+    _record(f"page_scores, {fused_ops.BACKEND} vs backend", dtype, (out[finite] - ref[finite]).abs().max().item())
+    _record(f"page_scores, {fused_ops.BACKEND} vs oracle", dtype,
+            (out[finite].double() - oracle[finite].double()).abs().max().item())
     assert torch.isneginf(out[0, 0]) and (s == 1 or pages == 1 or torch.isposinf(out[0, 1]))
 
 
@@ -269,9 +270,9 @@ def test_attention_matches_backend_and_bruteforce(fused_ops, n, g, d, dv, m, dty
     assert not torch.isinf(out).any() and not torch.isnan(ref).all()
 
     err, err_ref = _finite_err(out, exact), _finite_err(ref, exact)
-    _record("attention, Triton vs float64", dtype, err)
+    _record(f"attention, {fused_ops.BACKEND} vs float64", dtype, err)
     _record("attention, backend vs float64", dtype, err_ref)
-    assert err <= TOL[dtype], f"Triton vs float64: {err:.2e} (backend {err_ref:.2e})"
+    assert err <= TOL[dtype], f"{fused_ops.BACKEND} vs float64: {err:.2e} (backend {err_ref:.2e})"
     # No worse than the backend, give or take one rounding of the output (its dtype's epsilon at its largest value).
     ulp = torch.finfo(dtype).eps * exact.nan_to_num().abs().max().item()
     assert err <= 2 * err_ref + ulp, f"Triton {err:.2e} is worse than the backend {err_ref:.2e} (ulp {ulp:.1e})"
@@ -591,7 +592,7 @@ def test_page_logits_matches_backend_and_is_the_same_number_in_any_company(fused
     assert torch.equal(torch.isinf(got), torch.isinf(exact)) and torch.isinf(got).any()
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got.double(), exact, rtol=1e-5, atol=1e-5)
-    _record("page_logits, Triton vs backend", dtype, _finite_err(got, want))
+    _record(f"page_logits, {fused_ops.BACKEND} vs backend", dtype, _finite_err(got, want))
     some = torch.arange(c - 1, -1, -2)  # every other page, in reverse
     dev[1] = dev[1][:, some]
     assert torch.equal(fused_ops.page_logits(*dev, 0.125).cpu(), got[:, :, some])
@@ -706,7 +707,8 @@ def test_choose_matches_backend_and_selector(fused_ops, n, g, c, p, k, carry, wi
     assert torch.equal(mass[torch.isinf(scores)], scores[torch.isinf(scores)])
     torch.testing.assert_close(mass, want, rtol=1e-5, atol=1e-6, equal_nan=True)
     torch.testing.assert_close(mass.double(), exact, rtol=1e-5, atol=1e-6, equal_nan=True)
-    _record("choose's mass, Triton vs backend", torch.float32, (mass - want).nan_to_num().abs().max().item())
+    _record(f"choose's mass, {fused_ops.BACKEND} vs backend", torch.float32,
+            (mass - want).nan_to_num().abs().max().item())
 
     bits = mass.view(torch.int32)
     order = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).argsort(dim=1, descending=True, stable=True)  # NaN first, as topk
@@ -765,7 +767,7 @@ def test_chosen_attention_matches_backend_and_fp64(fused_ops, m, g, c, k, p, dv,
     assert torch.equal(torch.isnan(out), torch.isnan(ref)) and torch.isnan(out[0, g - 1]).all()
     assert not torch.isnan(out[1:]).any() and not torch.isinf(out).any()
     err, err_ref = _finite_err(out, exact), _finite_err(ref, exact)
-    _record("chosen_attention, Triton vs float64", dtype, err)
+    _record(f"chosen_attention, {fused_ops.BACKEND} vs float64", dtype, err)
     ulp = torch.finfo(dtype).eps * exact.nan_to_num().abs().max().item()
     assert err <= TOL[dtype] and err <= 2 * err_ref + ulp, f"Triton {err:.2e}, backend {err_ref:.2e}"
     # opcheck compares repeated runs: rows 1.. (no NaN)
