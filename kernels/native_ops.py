@@ -3,8 +3,8 @@ CPU tensors, so that a CPU step issues the calls a GPU step launches instead of 
 
 The source is `csrc/native_ops.cpp`. On first use it is compiled by the C++ compiler (`$CXX`, default `c++`; C++20)
 against the installed torch's headers and libraries, about 20 s once per machine, source and torch version; no build
-tool beyond the compiler (torch's `cpp_extension.load` would need ninja, which pip does not bring). Builds are cached in
-`$TORCH_EXTENSIONS_DIR/flexicache_native` (default `~/.cache/torch_extensions`), and loaded with
+tool beyond the compiler (torch's `cpp_extension.load` would need ninja, which a torch install does not bring). Builds
+are cached in `$TORCH_EXTENSIONS_DIR/flexicache_native` (default `~/.cache/torch_extensions`), and loaded with
 `torch.ops.load_library`, which registers the ops `flexicache_cpu::<name>`. Where it cannot be built, `available()`
 says why (`build_error()`) and `dispatch.py` keeps the PyTorch backend: the native path is a speed-up, never a
 requirement. Each wrapper checks its arguments against the contract (`contracts.py`) first; each op has a fake
@@ -17,6 +17,7 @@ values taking the lower place, writes equal to the backend's bit for bit.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import subprocess
@@ -91,14 +92,16 @@ def _build() -> Path:
         digest = hashlib.sha1(b"\0".join(k if isinstance(k, bytes) else k.encode() for k in key)).hexdigest()[:16]
         target = folder / f"flexicache_native_{digest}.so"
         if target.exists():
-            os.utime(target)  # marks it used (see `_remove_unused`)
+            with contextlib.suppress(OSError):  # a cache another user owns is read, not marked
+                os.utime(target)  # marks it used (see `_remove_unused`)
             return target
         partial = folder / f"{target.stem}.{os.getpid()}.partial"  # renamed into place whole: no half-written library
         command = [compiler, "-shared", "-fPIC", "-std=c++20", *flags, *includes, str(_SOURCE), *libraries, "-o",
                    str(partial)]
         try:
-            run = subprocess.run(command, capture_output=True, text=True)
-        except OSError as error:  # no compiler at all
+            run = subprocess.run(command, capture_output=True, text=True, timeout=600)
+        except (OSError, subprocess.TimeoutExpired) as error:  # no compiler at all, or one that hangs
+            partial.unlink(missing_ok=True)
             raise RuntimeError(f"cannot run the C++ compiler {compiler!r}: {error}") from None
         if run.returncode == 0:
             os.replace(partial, target)
@@ -114,9 +117,12 @@ def _remove_unused(folder: Path, keep: Path):
     day old; a process that has a removed library loaded keeps it (it is only unlinked)."""
     now = time.time()
     for path in folder.iterdir():
-        age = now - path.stat().st_mtime
-        if path != keep and (age > _UNUSED_DAYS * 86400 if path.suffix == ".so" else age > 86400):
-            path.unlink(missing_ok=True)
+        try:
+            age = now - path.stat().st_mtime
+            if path != keep and (age > _UNUSED_DAYS * 86400 if path.suffix == ".so" else age > 86400):
+                path.unlink()
+        except OSError:  # removed by another process meanwhile, or not ours to remove: left as it is
+            pass
 
 
 def _machine() -> str:
