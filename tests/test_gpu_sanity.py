@@ -8,6 +8,7 @@ slightly off is caught against dense at the full budget, and that `main` then ex
 from __future__ import annotations
 
 import pytest
+import torch
 from conftest import tiny_config
 
 from fc_hf.eval.bench import gpu as bench_gpu
@@ -24,7 +25,10 @@ def test_sanity_passes_against_the_cpu_reference():
     result = bench_gpu.sanity("cpu", config=_config(), **SMALL)
     assert result["ok"], result
     assert result["full"]["max_abs_logit_diff"] < 1e-5  # FlexiCache (every page) against dense attention
-    assert result["low"]["max_abs_logit_diff"] == result["low-deferred"]["max_abs_logit_diff"] == 0.0  # CPU vs CPU
+    # CPU against CPU: the "device" side on the CPU's default kernels (the C++ ones where they build), the reference
+    # on the PyTorch path; equal but for fp32 rounding (exactly equal where the C++ kernels did not build).
+    for case in ("low", "low-deferred"):
+        assert result[case]["max_abs_logit_diff"] <= (1e-6 if dispatch.backend_for(torch.zeros(1)) == "native" else 0)
     assert result["low"]["pages_promoted"] > 0 and result["low-deferred"]["pages_promoted"] > 0
 
 
