@@ -1,7 +1,7 @@
 """Choose the fused kernels (Triton on a GPU, C++ on a CPU) or the PyTorch backend for each call of the decode step.
 
 `backend_for` picks per call: "triton" for CUDA tensors where Triton imports, "native" for CPU tensors where the C++
-kernels build (`native_ops.py`: compiled on first use, about 20 s once per machine; where they cannot be built it warns
+kernels build (`native_ops.py`: compiled on first use, about 15 s once per machine; where they cannot be built it warns
 once and the PyTorch backend serves), else "torch"; `FLEXICACHE_BACKEND=torch|triton|native` (or
 `FlexiCacheConfig.backend`, passed here as `backend=`) forces one. The C++ kernels make the CPU step's calls the GPU
 step's (1.16x dense's ops a layer-step against the PyTorch backend's 2.21x) and measured 3-5% faster on this machine's

@@ -246,7 +246,7 @@ def sanity(device, config=None, length: int = 1536, steps: int = 24, batch: int 
     for name, fields, reference_method in SANITY_CASES:
         cfg = FlexiCacheConfig(page_size=16, rerank_interval=4, **fields)
         # The reference is the PyTorch path (every kernel's reference), which also spares the lent machine the
-        # C++ kernels' build (about 20 s).
+        # C++ kernels' build (about 15 s).
         want, _ = _forced_logits(reference, reference_method, dataclasses.replace(cfg, backend="torch"), profile,
                                  prompt_kv, tokens, "cpu")
         with _audit_async_copies() as pageable:
