@@ -328,8 +328,7 @@ def _settle(layer, plan: BlockPlan, carried, made: _Windows | None, as_tensor) -
     last = plan.last_entries(plan.t)
     if carried is not None and last:
         rows, entries = as_tensor(list(last)), as_tensor(list(last.values()))
-        selector.carried_pages.index_copy_(0, rows, carried[0].index_select(0, entries))
-        selector.carried_scores.index_copy_(0, rows, carried[1].index_select(0, entries))
+        selector.carry_on(rows, carried[0].index_select(0, entries), carried[1].index_select(0, entries))
     if made is not None:
         first = plan.n_unstable
         # Every ranking's window installed as made (no copy): a row's last into the row, the earlier ones into the

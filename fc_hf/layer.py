@@ -218,9 +218,7 @@ class FlexiCacheLayer(VerifiedDecoding, CacheLayerMixin):
         self.commit()
         self.record_past = False
         if self.store is not None:
-            self.store.length = 0
-            self.store.length_t.zero_()
-            self.store.win_pages.fill_(-1)
+            self.store.empty()
             self.prompt_end_t.zero_()
             self.selector.forget()
             self.promoted.zero_()

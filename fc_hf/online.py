@@ -306,8 +306,7 @@ def regroup(layer, unstable: set[int]) -> None:
     layer.owner.ledger.resized(before, 0)
     store.write_prompt(k, v)
     layer.prompt_end_t.fill_(prompt_end)
-    layer.selector.carried_pages.copy_(carried.carried_pages)
-    layer.selector.carried_scores.copy_(carried.carried_scores)
+    layer.selector.restore(carried.mark())  # the old selector's carried candidates go on
     layer.rank_all = steps == 0 and bool(kinds.stable)  # classified from the prefill: the first step ranks them all
     store.aim_windows(held)
     trace = auto.final_trace.pop(layer.layer_idx, None)

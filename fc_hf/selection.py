@@ -254,6 +254,12 @@ class PageSelector:
         self.carried_pages.copy_(mark[0])
         self.carried_scores.copy_(mark[1])
 
+    def carry_on(self, rows: torch.Tensor, pages: torch.Tensor, scores: torch.Tensor) -> None:
+        """Rows `rows` go on with these carried candidates (`pages`, `scores` `[len(rows), W]`): a verified block's
+        last ranking of each."""
+        self.carried_pages.index_copy_(0, rows, pages)
+        self.carried_scores.index_copy_(0, rows, scores)
+
     def select_rows(self, rows: torch.Tensor) -> None:
         """New row i continues old row `rows[i]` (beam search, a batch expansion)."""
         extra = rows.new_full((1,), self.carried_pages.shape[0] - 1)

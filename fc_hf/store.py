@@ -353,6 +353,20 @@ class PageStore:
         self.win_shift.copy_(self.win_base + shift)
         self.window_tokens()  # a row's sequence may have changed: its token bias row with it
 
+    def empty(self) -> None:
+        """Hold no token, keeping every tensor (a reset cache; the next prompt aims the windows)."""
+        self.length = 0
+        self.length_t.zero_()
+        self.win_pages.fill_(-1)
+
+    def put_back_windows(self, win_pages: torch.Tensor, win_shift: torch.Tensor) -> torch.Tensor:
+        """Make the windows' pages and shifts these earlier copies again (a crop); -> the stable rows whose pages
+        changed, whose tokens are to be read back (an eager host read: a crop is never compiled)."""
+        changed = (self.win_pages != win_pages).any(dim=1)
+        self.win_pages.copy_(win_pages)
+        self.win_shift.copy_(win_shift)
+        return changed[:-1].nonzero().flatten()
+
     def aim_windows(self, position: int) -> None:
         """Empty the windows and point their writes at position `K - 1` for the page of `position` (after a prompt,
         before the next step's ranking fills them)."""

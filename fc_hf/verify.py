@@ -56,10 +56,7 @@ class VerifiedDecoding:
 
     def _restore(self, mark: LayerMark) -> None:
         store = self.store
-        changed = (store.win_pages != mark.win_pages).any(dim=1)
-        store.win_pages.copy_(mark.win_pages)
-        store.win_shift.copy_(mark.win_shift)
-        local = changed[:-1].nonzero().flatten()  # a crop is eager: the host reads which windows to read back
+        local = store.put_back_windows(mark.win_pages, mark.win_shift)
         if local.numel():
             refill_windows(store, local)
         self.selector.restore(mark.carried)
