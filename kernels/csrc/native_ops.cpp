@@ -105,6 +105,12 @@ void top_places(const std::vector<int32_t>& keys, int64_t count, std::vector<cha
 template <typename T>
 inline float as_float(T x) { return static_cast<float>(x); }
 
+// `len` elements from `src` to `dst`, each at its own stride (a token's channels from one tier into another).
+template <typename T>
+inline void copy_row(const T* src, int64_t src_stride, T* dst, int64_t dst_stride, int64_t len) {
+  for (int64_t c = 0; c < len; ++c) dst[c * dst_stride] = src[c * src_stride];
+}
+
 // `q . k` over d channels in 16 partial sums (channel e into sum e % 16, in channel order), added in one fixed tree:
 // the same number whatever the stride or the token's company, and vectorisable where the channels are contiguous.
 template <typename T>
@@ -509,9 +515,6 @@ void append_token(const at::Tensor& keys, const at::Tensor& values, const at::Te
   const int64_t sub = pos / subpage_len;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, keys.scalar_type(), "append_token", [&] {
     using T = scalar_t;
-    auto copy_row = [](const T* src, int64_t src_stride, T* dst, int64_t dst_stride, int64_t len) {
-      for (int64_t c = 0; c < len; ++c) dst[c * dst_stride] = src[c * src_stride];
-    };
     const T* kp = keys.const_data_ptr<T>();
     const T* vp = values.const_data_ptr<T>();
     T* fk = full_k.data_ptr<T>();
@@ -619,12 +622,10 @@ void move_windows(const at::Tensor& pages, const at::Tensor& page, const at::Ten
         for (int64_t j = 0; j < k; ++j) {
           const int64_t src = first[j] >= 0 ? first[j] : 0;  // a position without a page reads page 0 (masked)
           for (int64_t t = 0; t < p; ++t) {
-            const TK* ks = fk + row * fks[0] + (src * p + t) * fks[1];
-            TK* kd = wk + loc * wks[0] + (j * p + t) * wks[1];
-            for (int64_t c = 0; c < d; ++c) kd[c * wks[2]] = ks[c * fks[2]];
-            const TV* vsrc = fv + row * fvs[0] + (src * p + t) * fvs[1];
-            TV* vd = wv + loc * wvs[0] + (j * p + t) * wvs[1];
-            for (int64_t c = 0; c < dv; ++c) vd[c * wvs[2]] = vsrc[c * fvs[2]];
+            copy_row(fk + row * fks[0] + (src * p + t) * fks[1], fks[2], wk + loc * wks[0] + (j * p + t) * wks[1],
+                     wks[2], d);
+            copy_row(fv + row * fvs[0] + (src * p + t) * fvs[1], fvs[2], wv + loc * wvs[0] + (j * p + t) * wvs[1],
+                     wvs[2], dv);
           }
         }
         const int64_t seq = sb[loc];
