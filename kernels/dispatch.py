@@ -6,13 +6,12 @@ once and the PyTorch backend serves), else "torch"; `FLEXICACHE_BACKEND=torch|tr
 `FlexiCacheConfig.backend`, passed here as `backend=`) forces one. The C++ kernels make the CPU step's calls the GPU
 step's (1.16x dense's ops a layer-step against the PyTorch backend's 2.21x) and measured 3-5% faster on this machine's
 CPU (docs/benchmarks.md). The Triton and native backends are the fused ones (`fused`): the same ops, one call each,
-with the same contracts. On the Triton backend
-`page_scores`, `attention`, a decode token's writes (`append_token`), refinement's candidates (`candidates`), their
-logits with the keys read in place (`page_logits`), refinement's choice (`choose`: the mass, the top K, the carried
-candidates), the unstable rows' attention over that ranking's own logits (`chosen_attention`) and a re-rank's window
-moves (`move_windows`) run Triton kernels registered as `torch.library` custom ops
-(`flexicache::<name>`, in `triton_ops.py`, imported only on first use so Triton stays optional), each one node of a
-compiled step; on the native backend the C++ kernels of the same names (`flexicache_cpu::<name>`). The other
+with the same contracts. On the Triton backend `page_scores`, `attention`, a decode token's writes (`append_token`),
+refinement's candidates (`candidates`), their logits with the keys read in place (`page_logits`), refinement's choice
+(`choose`: the mass, the top K, the carried candidates), the unstable rows' attention over that ranking's own logits
+(`chosen_attention`) and a re-rank's window moves (`move_windows`) run Triton kernels registered as `torch.library`
+custom ops (`flexicache::<name>`, in `triton_ops.py`, imported only on first use so Triton stays optional), each one
+node of a compiled step; on the native backend the C++ kernels of the same names (`flexicache_cpu::<name>`). The other
 primitives (`page_mass`, `gather_pages`, `subpage_minmax`) are the PyTorch backend (`torch_backend.py`) on both.
 """
 
