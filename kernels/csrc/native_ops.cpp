@@ -188,14 +188,15 @@ at::Tensor page_scores(const at::Tensor& query, at::TensorList meta, const at::T
 }
 
 // ------------------------------------------------------------------------------------------------------------------
-// Softmax-weighted sum of values: the logits of one row's query heads `s [G, M]` (fp32, -inf masked) and a way to read
-// token t's values; the probabilities rounded to the values' dtype for `p @ v`, the sum in fp32, as the Triton kernels.
+// Softmax-weighted sum of values: the logits of one row's query heads `s [G, M]` (fp32, -inf masked) and where token
+// t's values lie in the flat tier (`token[t]`, rows `value_stride_t` apart); the probabilities rounded to the values'
+// dtype for `p @ v`, the sum in fp32, as the Triton kernels.
 // A head with no finite logit gives NaN (0 / 0), as torch.softmax over an all -inf row.
 // ------------------------------------------------------------------------------------------------------------------
-template <typename V, typename ValueRow>
-void softmax_values(std::vector<float>& s, int64_t g, int64_t mtok, int64_t dv, ValueRow value_row,
-                    int64_t value_stride_d, V* out, int64_t out_stride_g, int64_t out_stride_d,
-                    std::vector<float>& acc) {
+template <typename V>
+void softmax_values(std::vector<float>& s, int64_t g, int64_t mtok, int64_t dv, const V* values,
+                    const std::vector<int64_t>& token, int64_t value_stride_t, int64_t value_stride_d, V* out,
+                    int64_t out_stride_g, int64_t out_stride_d, std::vector<float>& acc) {
   // `s` becomes the probabilities (unnormalised): one exp pass per head, then `p @ v` over the tokens.
   acc.assign(g * dv, 0.0f);
   std::vector<float> total(g, 0.0f);
@@ -213,7 +214,7 @@ void softmax_values(std::vector<float>& s, int64_t g, int64_t mtok, int64_t dv, 
   }
   std::vector<float> v(dv);
   for (int64_t t = 0; t < mtok; ++t) {
-    const V* row = value_row(t);
+    const V* row = values + token[t] * value_stride_t;
     for (int64_t c = 0; c < dv; ++c) v[c] = as_float(row[c * value_stride_d]);
     for (int64_t h = 0; h < g; ++h) {
       const float p = s[h * mtok + t];
@@ -287,8 +288,7 @@ at::Tensor chosen_attention(const at::Tensor& logits, const at::Tensor& top, con
               s[h * mtok + j * p + t] = lp[r * ls[0] + h * ls[1] + place * ls[2] + t * ls[3]];
           }
         }
-        softmax_values<V>(s, g, mtok, dv, [&](int64_t t) { return vp + token[t] * vs[0]; }, vs[1],
-                          op + r * os[0], os[1], os[2], acc);
+        softmax_values<V>(s, g, mtok, dv, vp, token, vs[0], vs[1], op + r * os[0], os[1], os[2], acc);
       }
     });
   });
