@@ -139,7 +139,7 @@ def attend_block(layer, query: torch.Tensor, keys: torch.Tensor, values: torch.T
     store, rows, selector, cfg = layer.store, layer.store.rows, layer.selector, layer.cfg
     b, hq, t, d = query.shape
     n, g, dv, dev = store.n, hq // store.heads, store.value_dim, store.device
-    held = layer.owner.host_length(layer)
+    held = layer.length
     plan = BlockPlan.make(layer, held, t)
     before = _Before(layer, plan)
     append_block(layer, keys, values, held)
@@ -278,7 +278,7 @@ class _Before:
 
     def __init__(self, layer, plan: BlockPlan):
         store = layer.store
-        self.length = layer.owner.host_length(layer)
+        self.length = layer.length
         self.rank_all = layer.rank_all
         self.carried = layer.selector.mark()
         self.promoted = layer.promoted.clone()
@@ -340,4 +340,4 @@ def _settle(layer, plan: BlockPlan, carried, made: _Windows | None, as_tensor) -
         install_windows(store, as_tensor(local), made.window, made.shift, made.keys, made.values)
         layer.promoted.add_(made.promoted.sum())
     layer.rank_all = False
-    layer.owner.wrote(layer, layer.owner.host_length(layer) + plan.t)
+    layer.store.length = layer.length + plan.t

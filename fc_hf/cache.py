@@ -113,10 +113,6 @@ class FlexiCache(Cache):
         self.prompt_end: int | None = None  # speculative decoding: where the assisted loop's prompt ends
         # Whether this forward runs in generate's prompt stage (`in_prefill`): its single token is a prompt token.
         self.prefilling = False
-        # The host's count of each FlexiCache layer's tokens, exact while the host drove every write. A compiled step
-        # changes only the device's count (`length_t`): once one was traced (`traced`), the host reads that instead.
-        self._host_lengths: dict[int, int] = {}
-        self.traced = False
         self._biases: dict[torch.device, StepBias] = {}  # each device's decode-step masks (`fc_hf/step_bias.py`)
         self._contexts: dict[torch.device, DecodeContext] = {}  # this forward's decode step, per device
         self._block_biases: dict[torch.device, StepBias] = {}  # this forward's verification block's masks, per device
@@ -159,8 +155,6 @@ class FlexiCache(Cache):
 
     # -- transformers Cache API ------------------------------------------------------------------
     def update(self, key_states, value_states, layer_idx: int, cache_kwargs=None, *args, **kwargs):
-        if torch.compiler.is_compiling():
-            self.traced = True  # from now on the device's count of tokens is the only exact one
         if not self.layers:
             raise FlexiCacheError("This FlexiCache was released (cache.release()); create a new FlexiCache for this call.")
         if layer_idx == 0:  # a forward starts: every refusal of FlexiCache's comes now, before any layer writes
@@ -170,7 +164,7 @@ class FlexiCache(Cache):
             with storage_mode():  # the pages record no autograd and are no inference tensors (fc_hf/grad_modes.py)
                 if layer.is_initialized:
                     if not torch.compiler.is_compiling():  # room for these tokens before the step's context is made
-                        self.ensure_capacity(self.host_length(layer) + key_states.shape[2])
+                        self.ensure_capacity(layer.length + key_states.shape[2])
                     layer.context = self._context(layer)
                 keys, values = layer.update(key_states, value_states)
                 read_back = keys is not key_states and not layer.pending  # tokens on a filled cache
@@ -201,7 +195,7 @@ class FlexiCache(Cache):
             return
         layer = self.layers[first]
         t = key_states.shape[2]
-        self.prefilling = t == 1 and layer.is_initialized and self.host_length(layer) > 0 and in_prefill()
+        self.prefilling = t == 1 and layer.is_initialized and layer.length > 0 and in_prefill()
         if layer.is_initialized:
             layer.check_same_kind(key_states, device=False)  # layers may sit on different devices (device_map)
         if layer.prompt_tokens(t) < t:
@@ -374,29 +368,12 @@ class FlexiCache(Cache):
                 layer.reset_state()
             elif hasattr(layer, "reset"):
                 layer.reset()
-        self._host_lengths = {}
         self._contexts, self._block_biases = {}, {}
 
     # -- tokens held and room for them -------------------------------------------------------------------
-    def host_length(self, layer: FlexiCacheLayer) -> int:
-        """Tokens `layer` holds, as a host number: the host's own count while it drove every write; once a compiled
-        step was traced, read from the device (a sync: only outside decode steps and in eager steps of such a cache)."""
-        if layer.store is None:
-            return 0
-        if self.traced:
-            held = int(layer.store.length_t)
-            self._host_lengths[layer.layer_idx] = held
-            return held
-        return self._host_lengths.get(layer.layer_idx, 0)
-
-    def wrote(self, layer: FlexiCacheLayer, length: int) -> None:
-        """The host wrote `layer` up to `length` tokens (its count follows)."""
-        self._host_lengths[layer.layer_idx] = length
-        layer.store.length = length
-
     def _layer_length(self, layer) -> int:
         if isinstance(layer, FlexiCacheLayer):
-            return self.host_length(layer)
+            return layer.length
         return layer.get_seq_length() if getattr(layer, "is_initialized", False) else 0
 
     def capacity_for(self, tokens: int, batch: int) -> int:
@@ -437,7 +414,7 @@ class FlexiCache(Cache):
             return sum(layer.device_pages(capacity, batch) for layer in self.flexi_layers) <= bound
 
         if not fits(needed):
-            held = max((self.host_length(layer) for layer in self.flexi_layers), default=0)
+            held = max((layer.length for layer in self.flexi_layers), default=0)
             state = "The cache is still empty." if held == 0 else (
                 f"Nothing was written; the cache still holds all {held} tokens so far.")
             pages = sum(layer.device_pages(needed, batch) for layer in self.flexi_layers)

@@ -94,6 +94,7 @@ class FlexiCacheLayer(VerifiedDecoding, CacheLayerMixin):
         self.turn_steps: list[int] = []  # decode steps of each earlier turn (stats)
         self.last_ranking = None  # (pages [N_E, K] of the unstable rows) of the last eager decode step (inspection)
         self.host_step: int | None = None  # an eager decode step's step since the last prompt (None when compiled)
+        self.traced = False  # a compiled decode step was traced: the device's count of tokens is the exact one
         # Inspection (eval tools), off by default: the rows ranked and the pages each row read at the last eager step.
         self.record_reads = False
         self.last_reads: dict | None = None
@@ -117,8 +118,14 @@ class FlexiCacheLayer(VerifiedDecoding, CacheLayerMixin):
 
     @property
     def length(self) -> int:
-        """Tokens held (the host's count: exact where the host drove every write; see `FlexiCache.host_length`)."""
-        return self.owner.host_length(self)
+        """Tokens held, as a host number: the store's count, which the host keeps while it drives every write. A
+        compiled decode step advances only the device's count (`length_t`), so once one was traced the host reads that
+        (a sync: only outside decode steps, and in eager steps of such a cache) and keeps it as the store's count."""
+        if self.store is None:
+            return 0
+        if self.traced:
+            self.store.length = int(self.store.length_t)
+        return self.store.length
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         if key_states.shape[1] != self.num_kv_heads:  # else heads would be mis-grouped silently
@@ -233,6 +240,8 @@ class FlexiCacheLayer(VerifiedDecoding, CacheLayerMixin):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         t = key_states.shape[2]
+        if torch.compiler.is_compiling():
+            self.traced = True
         if self.pending:
             raise FlexiCacheError(NOT_FLEXICACHE.format(impl=self.owner.attn_implementation_hint()))
         if torch.compiler.is_compiling() and (t > 1 or not self.is_initialized) and not self.record_past:
@@ -243,7 +252,7 @@ class FlexiCacheLayer(VerifiedDecoding, CacheLayerMixin):
             self.check_same_kind(key_states)
         prompt = self.prompt_tokens(t)
         auto = self.owner.auto
-        if (auto is not None and prompt < t and self.owner.host_length(self) > 0 and self.regrouped_after_step is None
+        if (auto is not None and prompt < t and self.length > 0 and self.regrouped_after_step is None
                 and self.decode_steps() == auto.boundary):  # before a decode step: a prefill chunk classifies nothing
             from .online import regroup  # noqa: PLC0415 - profile="auto" only
 
@@ -279,21 +288,20 @@ class FlexiCacheLayer(VerifiedDecoding, CacheLayerMixin):
         if not self.record_past:
             if t == 1 and torch.compiler.is_compiling():
                 return 0  # generate compiles decode steps only
-            return t if t > 1 or self.owner.host_length(self) == 0 or self.owner.prefilling else 0
+            return t if t > 1 or self.length == 0 or self.owner.prefilling else 0
         end = self.owner.prompt_end
-        held = self.owner.host_length(self)
+        held = self.length
         return min(t, max(0, (held if end is None else end) - held))
 
     def _take_prompt(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Append tokens that attend densely (a prompt, a chunk, a turn); returns the K/V they attend over: the model's
         own on an empty cache, every token held (views of the store) on a filled one."""
         t = key_states.shape[2]
-        past = self.owner.host_length(self)
+        past = self.length
         if past:
             self.turn_steps.append(past - self.prompt_end)
         self.owner.ensure_capacity(past + t)
-        self.store.write_prompt(key_states, value_states)
-        self.owner.wrote(self, past + t)
+        self.store.write_prompt(key_states, value_states)  # the store's count is now past + t
         self.prompt_end = past + t
         self.prompt_end_t.fill_(past + t)
         self.rank_all = bool(self.kinds.stable)
@@ -318,11 +326,11 @@ class FlexiCacheLayer(VerifiedDecoding, CacheLayerMixin):
             self._marks.append(self._mark())
         if own_context:
             self.context = self.owner.fresh_context(self)
-        held = None if torch.compiler.is_compiling() else self.owner.host_length(self)
+        held = None if torch.compiler.is_compiling() else self.length
         self.host_step = None if held is None else held - self.prompt_end + 1
         decode.append(self, key, value, self.context)
         if held is not None:
-            self.owner.wrote(self, held + 1)
+            self.store.length = held + 1
 
     def check_same_kind(self, key_states: torch.Tensor, device: bool = True) -> None:
         """Refuse tokens of another dtype, batch size or (with `device`) device than this layer holds."""
@@ -343,9 +351,9 @@ class FlexiCacheLayer(VerifiedDecoding, CacheLayerMixin):
         query alone on an empty layer (its prompt attends over itself)."""
         if self.store is None:
             return query_length, 0
-        if not torch.compiler.is_compiling() and (query_length > 1 or not self.owner.traced):
+        if not torch.compiler.is_compiling() and (query_length > 1 or not self.traced):
             # Room first (an eager step may grow the cache; reading a traced cache's count is a sync: prompts only).
-            self.owner.ensure_capacity(self.owner.host_length(self) + query_length)
+            self.owner.ensure_capacity(self.length + query_length)
         return self.store.capacity, 0
 
     def get_seq_length(self):
@@ -353,7 +361,7 @@ class FlexiCacheLayer(VerifiedDecoding, CacheLayerMixin):
             return 0
         if torch.compiler.is_compiling():
             return self.store.length_t
-        return self.owner.host_length(self)
+        return self.length
 
     def get_max_length(self) -> int:
         return -1 if self.store is None else self.store.capacity
@@ -459,7 +467,7 @@ class FlexiCacheLayer(VerifiedDecoding, CacheLayerMixin):
     # -- accounting ------------------------------------------------------------------------------
     def decode_steps(self) -> int:
         """Decode steps since the last prompt."""
-        return self.owner.host_length(self) - self.prompt_end
+        return self.length - self.prompt_end
 
     def counts(self) -> dict:
         """Rankings and promotions of this layer so far (`FlexiCache.stats`)."""

@@ -298,7 +298,7 @@ def regroup(layer, unstable: set[int]) -> None:
         return
     auto.warmup_rankings += old_store.n * steps
     k, v = old_store.dense()
-    held, prompt_end = layer.owner.host_length(layer), layer.prompt_end
+    held, prompt_end = layer.length, layer.prompt_end
     before = layer.device_bytes()
     layer.kinds = kinds
     layer._build(old_store.batch, old_store.capacity)

@@ -33,7 +33,7 @@ def memory(cache) -> dict[str, int]:
             report["metadata_bytes"] += tiers["metadata"]
             report["device_slots_in_use"] += tiers["device"] // store.page_bytes
             per_token = store.batch * store.heads * (store.head_dim + store.value_dim)
-            report["dense_kv_bytes"] += per_token * cache.host_length(layer) * store.dtype.itemsize
+            report["dense_kv_bytes"] += per_token * layer.length * store.dtype.itemsize
         elif getattr(layer, "keys", None) is not None and layer.keys.numel():
             nbytes = layer.keys.numel() * layer.keys.element_size() + layer.values.numel() * layer.values.element_size()
             report["device_kv_bytes"] += nbytes
@@ -61,7 +61,7 @@ def counters(cache) -> dict:
         s["pages_promoted"] += counts["pages_promoted"]
         s["bytes_promoted"] += counts["pages_promoted"] * store.page_bytes
         if cfg.offload and store.rows.n_stable:  # a stable row's every full page went to the host tier once
-            full = cache.host_length(layer) // store.page_size
+            full = layer.length // store.page_size
             s["pages_offloaded"] += full * store.rows.n_stable
             s["bytes_offloaded"] += full * store.rows.n_stable * store.page_bytes
         item, p, d, dv = store.dtype.itemsize, store.page_size, store.head_dim, store.value_dim

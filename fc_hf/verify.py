@@ -42,7 +42,7 @@ class VerifiedDecoding:
 
     def _mark(self) -> LayerMark:
         store = self.store
-        return LayerMark(self.owner.host_length(self), self.rank_all, self.selector.mark(), self.promoted.clone(),
+        return LayerMark(self.length, self.rank_all, self.selector.mark(), self.promoted.clone(),
                          store.win_pages.clone(), store.win_shift.clone())
 
     def crop(self, tokens_to_remove: int) -> None:
@@ -63,7 +63,7 @@ class VerifiedDecoding:
         self.promoted.copy_(mark.promoted)
         self.rank_all = mark.rank_all
         store.length_t.fill_(mark.length)
-        self.owner.wrote(self, mark.length)
+        store.length = mark.length
 
     def crop_mark(self, tokens_to_remove: int) -> LayerMark | None:
         """The mark `crop(tokens_to_remove)` restores (None for 0); raises, changing nothing, when there is none."""
@@ -74,7 +74,7 @@ class VerifiedDecoding:
             )
         if tokens_to_remove == 0:
             return None
-        held = self.owner.host_length(self)
+        held = self.length
         target = held + tokens_to_remove
         for mark in self._marks:
             if mark.length == target:
