@@ -439,6 +439,8 @@ class FlexiCache(Cache):
     def fresh_context(self, layer: FlexiCacheLayer) -> DecodeContext:
         """A decode context for `layer`'s next token: its position and step now, its device's mask buffers."""
         position = layer.store.length_t.clone()
+        if torch.compiler.is_compiling():  # an eager step grew the cache first (`update`); a compiled one cannot
+            torch._assert_async(position < layer.store.capacity, _FULL_WHEN_COMPILED.format(capacity=self.capacity))
         return DecodeContext(position, position - layer.prompt_end_t + 1, self.step_bias(layer))
 
     def step_bias(self, layer: FlexiCacheLayer) -> StepBias:

@@ -138,6 +138,25 @@ def test_a_new_turn_after_compiled_steps_continues_where_they_ended(setup):
     assert torch.equal(out, eager)
 
 
+@pytest.mark.parametrize("backend", ["torch", "native"], ids=["PyTorch backend", "C++ kernels"])
+def test_a_compiled_step_with_no_room_left_raises_saying_what_to_do(setup, backend):
+    """A compiled step cannot grow the cache: where `max_cache_len` is shorter than the generation, the first step
+    past it raises naming the fix (a device-side assert, no host sync), before that step writes anything."""
+    from fc_hf.kernels import native_ops
+
+    if backend == "native" and not native_ops.available():
+        pytest.skip(f"the C++ kernels did not build: {native_ops.build_error()}")
+    model, ids, mask, profile = setup
+    cache = FlexiCache(model.config, dataclasses.replace(CFG, backend=backend), profile, max_cache_len=352)
+    torch._dynamo.reset()
+    try:
+        with pytest.raises(RuntimeError, match="no room left .352 tokens per sequence.*Pass max_cache_len="):
+            _generate(model, cache, ids, mask, compile_config=_compile_config())
+    finally:
+        torch._dynamo.reset()
+    assert [layer.length for layer in cache.layers] == [352] * 2
+
+
 def test_a_compiled_forward_takes_prompts_eagerly(setup):
     """`torch.compile(model.forward)` without fullgraph: prompts break out of the graph (taken as an eager forward
     would), decode steps compile; the tokens are eager FlexiCache's. With fullgraph=True the prompt refuses, naming

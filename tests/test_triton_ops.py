@@ -404,6 +404,21 @@ def test_append_token_minmax_keeps_nan_keys(fused_ops, dtype):
             torch.testing.assert_close(got[name], expected, rtol=0, atol=0, equal_nan=True, msg=name)
 
 
+def test_the_cpp_append_token_refuses_a_position_outside_the_tier():
+    """A position at or past the full tier's end (a full cache) raises in the C++ op, which reads the position as a
+    host number anyway, instead of writing past its tensors."""
+    from fc_hf.kernels import native_ops
+
+    if CUDA or os.environ.get(_CHILD_ENV) == "1" or not native_ops.available():
+        pytest.skip("the C++ kernels run on a CPU, in the parent process, where they build")
+    inputs = _append_inputs(torch.float32, near=True, seed=5)
+    capacity = inputs["full_k"].shape[1]
+    for position in (capacity, -1):
+        with pytest.raises(RuntimeError, match="outside the full tier"):
+            _append(native_ops.append_token, inputs, position)
+    assert _append(native_ops.append_token, inputs, capacity - 1)["length"] == capacity
+
+
 def test_one_launch_ops_write_what_a_decode_step_writes(fused_ops, monkeypatch):
     """On a real cache (stable, unstable and streaming rows, a layer without stable rows, near rows apart or not,
     promotions and page openings) decode steps whose token writes and window moves go through the ops leave every state

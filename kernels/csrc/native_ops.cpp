@@ -506,6 +506,10 @@ void append_token(const at::Tensor& keys, const at::Tensor& values, const at::Te
               "append_token: the token, its tiers and the MinMax cache in one dtype");
   TORCH_CHECK(position.scalar_type() == at::kLong && length.scalar_type() == at::kLong, "append_token: int64 counts");
   const int64_t pos = position.const_data_ptr<int64_t>()[0];
+  // The caller grows a full cache before an eager step and asserts room in a compiled one; a write past it would
+  // corrupt memory, so it is refused here too (a read of a host number this op makes anyway).
+  TORCH_CHECK(pos >= 0 && pos < full_k.size(1), "append_token: position ", pos, " is outside the full tier's ",
+              full_k.size(1), " tokens per row");
   const int64_t n_s = win_shift.size(0) - 1;
   const bool near = near_k.numel() > 0;
   const int64_t* mr = meta_row.const_data_ptr<int64_t>();
