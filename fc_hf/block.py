@@ -143,7 +143,7 @@ def attend_block(layer, query: torch.Tensor, keys: torch.Tensor, values: torch.T
     plan = BlockPlan.make(layer, held, t)
     before = _Before(layer, plan)
     append_block(layer, keys, values, held)
-    bias = layer.owner.block_bias(layer, attention_mask, torch.arange(held, held + t, device=dev))
+    bias = layer.forward.block_bias(layer, attention_mask, torch.arange(held, held + t, device=dev))
     q = query.permute(2, 0, 1, 3).reshape(t * n, g, d)  # step j's row i at j * N + i
     out = query.new_empty(t * n, g, dv)
     as_tensor = lambda x: torch.tensor(x, dtype=torch.long, device=dev)  # noqa: E731 - host plans

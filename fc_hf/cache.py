@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import logging
-import math
 
 import torch
 from transformers.cache_utils import Cache, DynamicSlidingWindowLayer
@@ -16,14 +15,13 @@ from .config import FlexiCacheConfig
 from .errors import FlexiCacheError
 from .grad_modes import storage_mode, stored_kv_output
 from .attention import NAME as ATTENTION_NAME
-from .decode import DecodeContext
+from .forward_state import ForwardState
 from .layer import NOT_FLEXICACHE, FlexiCacheLayer
 from .ledger import DeviceLedger
 from .online import OnlineClassifier, check_auto_config
 from .profile import HeadProfile, attention_shape
-from .speculative import assisted_loop, check_auto_profile, check_loop_start, generate_max_length, in_prefill
-from .step_bias import StepBias
-from .store import mark_static
+from .room import Room
+from .speculative import assisted_loop, check_auto_profile, check_loop_start, in_prefill
 
 logger = logging.getLogger("fc_hf")
 
@@ -105,19 +103,18 @@ class FlexiCache(Cache):
             raise ValueError(f"max_cache_len must be a positive number of tokens or None, got {max_cache_len!r}.")
         self.cache_config = cfg
         self.profile = profile
-        self._max_cache_len = max_cache_len
-        self.capacity = 0  # tokens per sequence every FlexiCache layer has room for (0: nothing allocated yet)
-        self.auto: OnlineClassifier | None = None  # profile="auto": the warm-up trace and its classification
         self._model_text_config = text
+        # What the FlexiCache layers are handed (they never reach back to the cache): the room they share, the forward
+        # they run in, the device bytes they hold, and with profile="auto" the classifier they report to.
+        self.room = Room(cfg, max_cache_len)
+        self.forward = ForwardState(cfg)
         self.ledger = DeviceLedger()  # device KV bytes now and at the peak (`memory_report`)
-        self.prompt_end: int | None = None  # speculative decoding: where the assisted loop's prompt ends
-        # Whether this forward runs in generate's prompt stage (`in_prefill`): its single token is a prompt token.
-        self.prefilling = False
-        self._biases: dict[torch.device, StepBias] = {}  # each device's decode-step masks (`fc_hf/step_bias.py`)
-        self._contexts: dict[torch.device, DecodeContext] = {}  # this forward's decode step, per device
-        self._block_biases: dict[torch.device, StepBias] = {}  # this forward's verification block's masks, per device
+        kinds = _layer_types(text)
+        self.auto: OnlineClassifier | None = None  # profile="auto": the warm-up trace and its classification
+        if auto:
+            self.auto = OnlineClassifier([i for i, kind in enumerate(kinds) if kind in _FULL], num_kv_heads, cfg)
         layers = []
-        for idx, kind in enumerate(_layer_types(text)):
+        for idx, kind in enumerate(kinds):
             if kind in _SLIDING:
                 window = getattr(text, "sliding_window", None) or getattr(text, "attention_chunk_size", None)
                 layers.append(DynamicSlidingWindowLayer(sliding_window=window))
@@ -129,7 +126,11 @@ class FlexiCache(Cache):
                         cfg,
                         unstable={h for l, h in unstable if l == idx},
                         streaming={h for l, h in cfg.streaming_heads if l == idx},
-                        owner=self,
+                        room=self.room,
+                        forward=self.forward,
+                        ledger=self.ledger,
+                        auto=self.auto,
+                        model_config=text,
                     )
                 )
             else:
@@ -139,8 +140,7 @@ class FlexiCache(Cache):
                 )
         super().__init__(layers=layers)
         self._first_flexi_idx = next((i for i, l in enumerate(layers) if isinstance(l, FlexiCacheLayer)), None)
-        if auto:
-            self.auto = OnlineClassifier([l.layer_idx for l in self.flexi_layers], num_kv_heads, cfg)
+        self.room.layers = self.flexi_layers
         if not self.flexi_layers:
             logger.warning("FlexiCache: this model has no full-attention layers; it behaves like DynamicCache.")
 
@@ -164,8 +164,8 @@ class FlexiCache(Cache):
             with storage_mode():  # the pages record no autograd and are no inference tensors (fc_hf/grad_modes.py)
                 if layer.is_initialized:
                     if not torch.compiler.is_compiling():  # room for these tokens before the step's context is made
-                        self.ensure_capacity(layer.length + key_states.shape[2])
-                    layer.context = self._context(layer)
+                        self.room.ensure(layer.length + key_states.shape[2])
+                    layer.context = self.forward.context(layer)
                 keys, values = layer.update(key_states, value_states)
                 read_back = keys is not key_states and not layer.pending  # tokens on a filled cache
             if read_back:  # attention over stored K/V: no gradient flows back through them
@@ -184,9 +184,8 @@ class FlexiCache(Cache):
         """What a forward's first layer does before anything is written: refuse what FlexiCache cannot serve, and tell
         a prompt from decode steps (one token on a filled cache is a decode step, unless generate feeds it as a prompt,
         `in_prefill`)."""
-        self._contexts, self._block_biases = {}, {}
+        self.forward.begin(prefilling=False)
         if torch.compiler.is_compiling():  # a compiled forward is a decode step (`is_compileable`): nothing to check
-            self.prefilling = False
             return
         self._check_layers_agree()
         self._check_use_cache(cache_kwargs, kwargs)
@@ -195,7 +194,7 @@ class FlexiCache(Cache):
             return
         layer = self.layers[first]
         t = key_states.shape[2]
-        self.prefilling = t == 1 and layer.is_initialized and layer.length > 0 and in_prefill()
+        self.forward.prefilling = t == 1 and layer.is_initialized and layer.length > 0 and in_prefill()
         if layer.is_initialized:
             layer.check_same_kind(key_states, device=False)  # layers may sit on different devices (device_map)
         if layer.prompt_tokens(t) < t:
@@ -261,7 +260,7 @@ class FlexiCache(Cache):
         prompt, mode = assisted_loop()
         if prompt is not None or mode is not None or not held:  # in the loop, or a start on an empty cache
             check_loop_start(prompt, held, mode)
-            self.prompt_end = prompt.shape[1]
+            self.forward.loop_prompt_end = prompt.shape[1]
         extra = dict(kwargs, recurrent_states_to_keep=recurrent_states_to_keep)
         for layer in self.layers:  # sliding-window layers keep their states until `crop`; ours mark
             if hasattr(layer, "activate_past_recording"):
@@ -283,7 +282,7 @@ class FlexiCache(Cache):
                 layer.commit()
             if hasattr(layer, "record_past"):
                 layer.record_past = False
-        self.prompt_end = None
+        self.forward.loop_prompt_end = None
 
     @property
     def _is_user_defined(self) -> bool:
@@ -313,12 +312,6 @@ class FlexiCache(Cache):
     @property
     def flexi_layers(self) -> list[FlexiCacheLayer]:
         return [l for l in self.layers if isinstance(l, FlexiCacheLayer)]
-
-    def attn_implementation_hint(self) -> str:
-        """`config._attn_implementation` of the config this cache was built from (shared with the model, so it is
-        current at the time of the error)."""
-        impl = getattr(self._model_text_config, "_attn_implementation", None)
-        return impl if impl is not None else "unknown (the config names none)"
 
     # -- reports (`fc_hf/reports.py`) -------------------------------------------------------------------
     def memory_report(self) -> dict[str, int]:
@@ -353,8 +346,8 @@ class FlexiCache(Cache):
             else:
                 self.ledger.resized(_dense_bytes(layer), 0)
                 layer.keys = layer.values = None
-        self.layers = []
-        self._biases, self._contexts, self._block_biases = {}, {}, {}
+        self.layers = self.room.layers = []
+        self.forward.release()
         if self.auto is not None:
             self.auto.topk, self.auto.valid = {}, {}
 
@@ -368,7 +361,7 @@ class FlexiCache(Cache):
                 layer.reset_state()
             elif hasattr(layer, "reset"):
                 layer.reset()
-        self._contexts, self._block_biases = {}, {}
+        self.forward.begin(prefilling=False)
 
     # -- tokens held and room for them -------------------------------------------------------------------
     def _layer_length(self, layer) -> int:
@@ -376,99 +369,16 @@ class FlexiCache(Cache):
             return layer.length
         return layer.get_seq_length() if getattr(layer, "is_initialized", False) else 0
 
-    def capacity_for(self, tokens: int, batch: int) -> int:
-        """The capacity to allocate when the first `tokens` arrive: `max_cache_len`, else what `generate` will need
-        (its `max_length`), else `tokens` plus `DEFAULT_DECODE_ROOM`; under `max_device_pages`, at most what fits (and
-        refused, before anything is written, if `tokens` do not)."""
-        if not self.capacity:
-            wanted = self._max_cache_len or generate_max_length() or tokens + DEFAULT_DECODE_ROOM
-            floor = 2 * self.cache_config.page_size  # a ranking's page being filled and one more
-            self.capacity = self._bounded(max(wanted, tokens, floor), max(tokens, floor), batch)
-        return self.capacity
-
-    def ensure_capacity(self, tokens: int) -> None:
-        """Room for `tokens` per sequence in every FlexiCache layer, grown (new tensors, outside a decode step) when
-        short: to what `generate` will need if that holds them, else by half again, within `max_device_pages`
-        (refused, before anything is written, where `tokens` do not fit)."""
-        if tokens <= self.capacity:
-            return
-        if torch.compiler.is_compiling():
-            raise FlexiCacheError(_FULL_WHEN_COMPILED.format(capacity=self.capacity))
-        batch = next((layer.batch for layer in self.flexi_layers if layer.is_initialized), 1)
-        grown = max(tokens, generate_max_length() or 0, self.capacity + self.capacity // 2)
-        self.capacity = self._bounded(grown, tokens, batch)
-        for layer in self.flexi_layers:
-            layer.grow(self.capacity)
-        self._biases = {}
-
-    def _bounded(self, wanted: int, needed: int, batch: int) -> int:
-        """`wanted` tokens (page-rounded), or the most that fit `max_device_pages` over all layers if fewer, never
-        fewer than `needed`: a capacity that does not fit is refused."""
-        page = self.cache_config.page_size
-        wanted, needed = _round_up(wanted, page), _round_up(needed, page)
-        bound = self.cache_config.max_device_pages
-        if bound is None:
-            return wanted
-
-        def fits(capacity):
-            return sum(layer.device_pages(capacity, batch) for layer in self.flexi_layers) <= bound
-
-        if not fits(needed):
-            held = max((layer.length for layer in self.flexi_layers), default=0)
-            state = "The cache is still empty." if held == 0 else (
-                f"Nothing was written; the cache still holds all {held} tokens so far.")
-            pages = sum(layer.device_pages(needed, batch) for layer in self.flexi_layers)
-            raise FlexiCacheError(
-                f"Holding {needed} tokens per sequence needs {pages} device pages but max_device_pages={bound}. "
-                f"Raise max_device_pages, shorten the prompt or generation, or use a smaller batch. {state}"
-            )
-        low, high = needed // page, wanted // page  # the most pages per row that fit, by bisection
-        while low < high:
-            mid = (low + high + 1) // 2
-            low, high = (mid, high) if fits(mid * page) else (low, mid - 1)
-        return low * page
-
-    # -- the decode step's context -----------------------------------------------------------------------
-    def _context(self, layer: FlexiCacheLayer) -> DecodeContext:
-        """This forward's decode context on `layer`'s device (made by its first FlexiCache layer there)."""
-        ctx = self._contexts.get(layer.device)
-        if ctx is None:
-            ctx = self._contexts[layer.device] = self.fresh_context(layer)
-        return ctx
-
-    def fresh_context(self, layer: FlexiCacheLayer) -> DecodeContext:
-        """A decode context for `layer`'s next token: its position and step now, its device's mask buffers."""
-        position = layer.store.length_t.clone()
-        if torch.compiler.is_compiling():  # an eager step grew the cache first (`update`); a compiled one cannot
-            torch._assert_async(position < layer.store.capacity, _FULL_WHEN_COMPILED.format(capacity=self.capacity))
-        return DecodeContext(position, position - layer.prompt_end_t + 1, self.step_bias(layer))
-
-    def step_bias(self, layer: FlexiCacheLayer) -> StepBias:
-        """The mask buffers of decode steps on `layer`'s device, for its batch and capacity (made outside a decode step:
-        by a prompt, so a compiled step finds them)."""
-        store, device = layer.store, layer.device
-        bias = self._biases.get(device)
-        if bias is None or bias.batch != store.batch or bias.num_pages != store.pages:
-            cfg = self.cache_config
-            bias = StepBias(store.batch, store.pages, cfg.page_size, cfg.subpages, cfg.sink_pages, device)
-            mark_static(bias)
-            self._biases[device] = bias
-        return bias
-
-    def block_bias(self, layer: FlexiCacheLayer, mask, positions: torch.Tensor) -> StepBias:
-        """The masks of this forward's verification block on `layer`'s device (made by its first layer there):
-        `StepBias.for_block` of the mask's last rows at `positions`."""
-        bias = self._block_biases.get(layer.device)
-        if bias is None:
-            bias = self._block_biases[layer.device] = StepBias.for_block(
-                self.step_bias(layer), mask if isinstance(mask, torch.Tensor) else None, positions)
-        return bias
+    @property
+    def capacity(self) -> int:
+        """Tokens per sequence every FlexiCache layer has room for (0: nothing allocated yet; `fc_hf/room.py`)."""
+        return self.room.capacity
 
     @property
     def max_cache_len(self) -> int | None:
         """The capacity asked for (`None`: sized by `generate`). Stored apart: a read-only property of `Cache` on
         transformers 5.17."""
-        return self._max_cache_len
+        return self.room.max_cache_len
 
     @property
     def is_compileable(self) -> bool:
@@ -487,16 +397,3 @@ class FlexiCache(Cache):
         if layer is None:
             return 0
         return layer.get_seq_length()
-
-
-DEFAULT_DECODE_ROOM = 1024  # tokens past a prompt that a cache filled outside `generate` holds before it grows
-
-_FULL_WHEN_COMPILED = (
-    "A compiled FlexiCache decode step has no room left ({capacity} tokens per sequence): a compiled step cannot "
-    "grow the cache. Pass max_cache_len= to FlexiCache (the prompt plus every token to generate), or let generate "
-    "size it (it does from max_new_tokens)."
-)
-
-
-def _round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple

@@ -49,6 +49,12 @@ def _prompt_eagerly(layer: "FlexiCacheLayer", key_states: torch.Tensor, value_st
     return layer._take_prompt(key_states, value_states)
 
 
+def attn_implementation_of(config) -> str:
+    """`config._attn_implementation` (the model's config, shared with it, so current at the time of an error)."""
+    impl = getattr(config, "_attn_implementation", None)
+    return impl if impl is not None else "unknown (the config names none)"
+
+
 class DecodePlaceholder(torch.Tensor):
     """Stands in for a layer's K/V at a decode step; only shape queries are allowed on it."""
 
@@ -60,7 +66,7 @@ class DecodePlaceholder(torch.Tensor):
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **(kwargs or {}))
         layer = next((a.fc_layer for a in args if isinstance(a, DecodePlaceholder)), None)
-        impl = layer.owner.attn_implementation_hint() if layer is not None else "not 'flexicache'"
+        impl = attn_implementation_of(layer.model_config) if layer is not None else "not 'flexicache'"
         raise FlexiCacheError(NOT_FLEXICACHE.format(impl=impl))
 
 
@@ -77,12 +83,16 @@ class FlexiCacheLayer(VerifiedDecoding, CacheLayerMixin):
     is_sliding = False
     is_croppable = True  # crop(-n) restores a mark (speculative decoding)
 
-    def __init__(self, layer_idx: int, num_kv_heads: int, cfg, unstable: set[int], streaming: set[int], owner):
+    def __init__(self, layer_idx: int, num_kv_heads: int, cfg, unstable: set[int], streaming: set[int], room,
+                 forward, ledger, auto=None, model_config=None):
         super().__init__()
         self.layer_idx = layer_idx
         self.num_kv_heads = num_kv_heads
         self.cfg = cfg
-        self.owner = owner  # the FlexiCache: capacity, the decode context of a forward, the attention hint
+        # What the cache hands its layers, shared among them: the capacity (`Room`), the forward they run in
+        # (`ForwardState`), the device bytes held (`DeviceLedger`), profile="auto"'s classifier (`OnlineClassifier`,
+        # else None), and the model's config (the attention function it names, for errors).
+        self.room, self.forward, self.ledger, self.auto, self.model_config = room, forward, ledger, auto, model_config
         self.kinds = HeadKinds.split(num_kv_heads, unstable, streaming)
         self.store: PageStore | None = None
         self.selector: PageSelector | None = None
@@ -140,7 +150,7 @@ class FlexiCacheLayer(VerifiedDecoding, CacheLayerMixin):
         # Loads (the first time: builds) the C++ kernels here, at the prompt, never while a compiled step is traced.
         kernels.backend_for(key_states, self.cfg.backend)
         self.batch, self.head_dim, self.value_dim = key_states.shape[0], key_states.shape[-1], value_states.shape[-1]
-        self._build(self.batch, self.owner.capacity_for(key_states.shape[2], self.batch))
+        self._build(self.batch, self.room.capacity_for(key_states.shape[2], self.batch))
         self.is_initialized = True
 
     def _build(self, batch: int, capacity: int) -> None:
@@ -150,7 +160,7 @@ class FlexiCacheLayer(VerifiedDecoding, CacheLayerMixin):
         self.selector = PageSelector(self.cfg, store.n, self.device)
         self.prompt_end_t = torch.zeros((), dtype=torch.long, device=self.device)  # `prompt_end` on the device
         self._index_tensors()
-        self.owner.ledger.resized(0, self.device_bytes())
+        self.ledger.resized(0, self.device_bytes())
 
     def _index_tensors(self) -> None:
         """Index tensors of the decode step, for this batch and capacity (rebuilt when either changes)."""
@@ -208,7 +218,7 @@ class FlexiCacheLayer(VerifiedDecoding, CacheLayerMixin):
             before = self.device_bytes()
             self.store.grow(capacity)
             self._index_tensors()
-            self.owner.ledger.resized(before, self.device_bytes())
+            self.ledger.resized(before, self.device_bytes())
 
     def device_pages(self, capacity: int, batch: int) -> int:
         """Pages of K/V this layer holds on the device at `capacity` tokens per sequence for `batch` sequences: every
@@ -243,7 +253,7 @@ class FlexiCacheLayer(VerifiedDecoding, CacheLayerMixin):
         if torch.compiler.is_compiling():
             self.traced = True
         if self.pending:
-            raise FlexiCacheError(NOT_FLEXICACHE.format(impl=self.owner.attn_implementation_hint()))
+            raise FlexiCacheError(NOT_FLEXICACHE.format(impl=attn_implementation_of(self.model_config)))
         if torch.compiler.is_compiling() and (t > 1 or not self.is_initialized) and not self.record_past:
             return _prompt_eagerly(self, key_states, value_states)  # a compiled forward brought a prompt
         if not self.is_initialized:
@@ -251,7 +261,7 @@ class FlexiCacheLayer(VerifiedDecoding, CacheLayerMixin):
         elif not torch.compiler.is_compiling():
             self.check_same_kind(key_states)
         prompt = self.prompt_tokens(t)
-        auto = self.owner.auto
+        auto = self.auto
         if (auto is not None and prompt < t and self.length > 0 and self.regrouped_after_step is None
                 and self.decode_steps() == auto.boundary):  # before a decode step: a prefill chunk classifies nothing
             from .online import regroup  # noqa: PLC0415 - profile="auto" only
@@ -288,8 +298,8 @@ class FlexiCacheLayer(VerifiedDecoding, CacheLayerMixin):
         if not self.record_past:
             if t == 1 and torch.compiler.is_compiling():
                 return 0  # generate compiles decode steps only
-            return t if t > 1 or self.length == 0 or self.owner.prefilling else 0
-        end = self.owner.prompt_end
+            return t if t > 1 or self.length == 0 or self.forward.prefilling else 0
+        end = self.forward.loop_prompt_end
         held = self.length
         return min(t, max(0, (held if end is None else end) - held))
 
@@ -300,17 +310,17 @@ class FlexiCacheLayer(VerifiedDecoding, CacheLayerMixin):
         past = self.length
         if past:
             self.turn_steps.append(past - self.prompt_end)
-        self.owner.ensure_capacity(past + t)
+        self.room.ensure(past + t)
         self.store.write_prompt(key_states, value_states)  # the store's count is now past + t
         self.prompt_end = past + t
         self.prompt_end_t.fill_(past + t)
         self.rank_all = bool(self.kinds.stable)
         self.store.aim_windows(past + t)  # the next token's window place, until that step's ranking fills them
-        self.owner.step_bias(self)  # the decode steps' mask buffers exist before a step (which may be compiled)
+        self.forward.step_bias(self)  # the decode steps' mask buffers exist before a step (which may be compiled)
         self.selector.forget()  # nothing ranked before these tokens is carried on
         if past:
             key_states, value_states = self.store.dense()
-        auto = self.owner.auto
+        auto = self.auto
         if auto is not None and auto.observing and not auto.done and t > 1:
             # Zero warm-up: the attention function finds this layer on the keys and traces the prompt's last
             # queries (`observe_prefill`; chunk after chunk, the last one's stand); a view, so the tensor it marks is
@@ -325,7 +335,7 @@ class FlexiCacheLayer(VerifiedDecoding, CacheLayerMixin):
         if self.record_past:
             self._marks.append(self._mark())
         if own_context:
-            self.context = self.owner.fresh_context(self)
+            self.context = self.forward.fresh_context(self)
         held = None if torch.compiler.is_compiling() else self.length
         self.host_step = None if held is None else held - self.prompt_end + 1
         decode.append(self, key, value, self.context)
@@ -353,7 +363,7 @@ class FlexiCacheLayer(VerifiedDecoding, CacheLayerMixin):
             return query_length, 0
         if not torch.compiler.is_compiling() and (query_length > 1 or not self.traced):
             # Room first (an eager step may grow the cache; reading a traced cache's count is a sync: prompts only).
-            self.owner.ensure_capacity(self.length + query_length)
+            self.room.ensure(self.length + query_length)
         return self.store.capacity, 0
 
     def get_seq_length(self):
@@ -400,11 +410,11 @@ class FlexiCacheLayer(VerifiedDecoding, CacheLayerMixin):
         before = self.device_bytes()
         store.select_rows(indices)
         self.selector.select_rows(rows)
-        if self.owner.auto is not None:
-            self.owner.auto.select_rows(self.layer_idx, indices, self.decode_steps())
+        if self.auto is not None:
+            self.auto.select_rows(self.layer_idx, indices, self.decode_steps())
         self.batch = store.batch
         self._index_tensors()
-        self.owner.ledger.resized(before, self.device_bytes())
+        self.ledger.resized(before, self.device_bytes())
 
     # -- decode attention ------------------------------------------------------------------------
     def attend(self, query: torch.Tensor, attention_mask, scaling: float, softcap: float | None) -> torch.Tensor:
@@ -417,7 +427,7 @@ class FlexiCacheLayer(VerifiedDecoding, CacheLayerMixin):
         if query.shape[2] != 1:
             raise FlexiCacheError(f"FlexiCache decode expects one query token, got {query.shape[2]}.")
         out = decode.attend(self, query, self.context, attention_mask, scaling, softcap)
-        auto = self.owner.auto
+        auto = self.auto
         if auto is not None and self.regrouped_after_step is None and not torch.compiler.is_compiling():
             auto.record_step(self.layer_idx, self.decode_steps(), self.last_ranking, self.context.bias,
                              self.store.batch)
@@ -462,7 +472,7 @@ class FlexiCacheLayer(VerifiedDecoding, CacheLayerMixin):
     # -- profile="auto" (online.py) -----------------------------------------------------------------
     def observe_prefill(self, query: torch.Tensor, attention_mask) -> None:
         """Zero warm-up: hand the prefill queries `[B, Hq, T, D]` to the online classifier."""
-        self.owner.auto.observe_prefill(self.layer_idx, query, self.store, attention_mask)
+        self.auto.observe_prefill(self.layer_idx, query, self.store, attention_mask)
 
     # -- accounting ------------------------------------------------------------------------------
     def decode_steps(self) -> int:

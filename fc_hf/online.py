@@ -288,7 +288,7 @@ def regroup(layer, unstable: set[int]) -> None:
     from .rows import HeadKinds
     from .tiers import fill_later_pages, move_windows
 
-    auto = layer.owner.auto
+    auto = layer.auto
     steps = layer.decode_steps()
     layer.regrouped_after_step = steps
     old_store, carried = layer.store, layer.selector
@@ -303,7 +303,7 @@ def regroup(layer, unstable: set[int]) -> None:
     layer.kinds = kinds
     layer._build(old_store.batch, old_store.capacity)
     store = layer.store
-    layer.owner.ledger.resized(before, 0)
+    layer.ledger.resized(before, 0)
     store.write_prompt(k, v)
     layer.prompt_end_t.fill_(prompt_end)
     layer.selector.restore(carried.mark())  # the old selector's carried candidates go on

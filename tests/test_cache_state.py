@@ -80,18 +80,18 @@ def test_two_caches_in_two_threads_equal_sequential_runs(gather_yields):
 def test_shared_step_buffers_are_caught(gather_yields, monkeypatch):
     """Mutant: one process-global set of step buffers again. The thread test must see the other thread's masks: as
     different outputs or, when a thread finds buffers of the other's size, as an error (which of the two is timing)."""
-    from fc_hf.cache import FlexiCache as Cache
+    from fc_hf.forward_state import ForwardState
 
-    real = Cache.step_bias
+    real = ForwardState.step_bias
     shared = {}
 
     def global_bias(self, layer):
         if "bias" not in shared:
             shared["bias"] = real(self, layer)
-        self._biases[layer.device] = shared["bias"]
+        self.biases[layer.device] = shared["bias"]
         return shared["bias"]
 
-    monkeypatch.setattr(Cache, "step_bias", global_bias)
+    monkeypatch.setattr(ForwardState, "step_bias", global_bias)
     model = tiny_model("llama", layers=2)
     equal, errors = _two_threads(model)
     assert errors or not equal
@@ -104,7 +104,7 @@ def _owned_tensors(cache):
         s = layer.store
         refs += [weakref.ref(t) for t in (s.full_k, s.full_v, s.meta, s.win_k, s.win_v, s.win_pages, s.win_bias_rows,
                                           layer.selector.carried_pages, layer.selector.carried_scores)]
-    refs += [weakref.ref(b.tokens) for b in cache._biases.values()]
+    refs += [weakref.ref(b.tokens) for b in cache.forward.biases.values()]
     return refs
 
 
@@ -130,9 +130,9 @@ def test_release_that_keeps_the_step_buffers_is_caught(no_grad, monkeypatch):
     real = Cache.release
 
     def keeping(self):
-        kept = self._biases
+        kept = self.forward.biases
         real(self)
-        self._biases = kept
+        self.forward.biases = kept
 
     monkeypatch.setattr(Cache, "release", keeping)
     with pytest.raises(AssertionError, match="outlive release"):

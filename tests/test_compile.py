@@ -229,7 +229,7 @@ def test_every_tensor_a_decode_step_writes_is_a_static_address(setup):
         token, step_mask = out.logits[:, -1:].argmax(-1), mask
         held = {}  # storage -> the cache's tensors on it (near_k is full_k without a split), held through the steps
         for layer in cache.layers:
-            for holder in (layer, layer.store, layer.store.rows, layer.selector, *cache._biases.values()):
+            for holder in (layer, layer.store, layer.store.rows, layer.selector, *cache.forward.biases.values()):
                 for name, value in vars(holder).items():
                     if type(value) is torch.Tensor:
                         held.setdefault(value.untyped_storage().data_ptr(), []).append(

@@ -89,4 +89,4 @@ def test_recording_on_an_empty_cache_outside_the_loop_refuses():
         cache.activate_past_recording()
     model(input_ids=torch.randint(3, 90, (1, 20)), **cache_kwargs(model, cache))
     cache.activate_past_recording()  # a filled cache: every later token is a decode step
-    assert cache.prompt_end is None
+    assert cache.forward.loop_prompt_end is None

@@ -75,7 +75,7 @@ def run(model_name: str, length: int, batch: int, steps: int, budget: int, verif
             token = decode_step(model, cache, kwarg, token, position)
             position += 1
         if verify:
-            cache.prompt_end = position  # a verification continues decoding: its tokens are decode steps
+            cache.forward.loop_prompt_end = position  # a verification continues decoding: its tokens are decode steps
             cache.activate_past_recording()
             drafts = torch.randint(1, config.vocab_size, (batch, verify), generator=torch.Generator().manual_seed(1))
         for _ in range(steps):

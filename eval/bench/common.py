@@ -153,7 +153,7 @@ def bench_cache(method: str, config, budget: int, profile=None, base=None, token
 
     A FlexiCache's tensors are sized by its capacity, not by the tokens it holds (`memory_report` counts the
     allocation, and a ranking scores every page of it), so a cache filled outside generate with the default capacity
-    (the prompt plus `fc_hf.cache.DEFAULT_DECODE_ROOM`) would report and score room it never uses."""
+    (the prompt plus `fc_hf.room.DEFAULT_DECODE_ROOM`) would report and score room it never uses."""
     from fc_hf.cache import FlexiCache
 
     from ..methods import make_cache, method_config, method_profile

@@ -304,7 +304,7 @@ def verify_worker(spec: dict) -> None:
                 out = model(input_ids=token, use_cache=True, cache_position=torch.tensor([pos]), logits_to_keep=1, **kw)
                 token = out.logits[:, -1:].argmax(-1)
             if method != "dense":
-                cache.prompt_end = n  # what transformers' assisted loop tells the cache (fc_hf/speculative.py)
+                cache.forward.loop_prompt_end = n  # what transformers' assisted loop tells the cache (fc_hf/speculative.py)
                 cache.activate_past_recording()
             caches[method] = (cache, kw)
         for rep in range(spec["repeats"] + 1):  # the first round is a warm-up: not printed

@@ -1,0 +1,87 @@
+"""`Room`: how many tokens per sequence every FlexiCache layer of a cache has room for (its capacity).
+
+Chosen when the first prompt arrives (`max_cache_len`, else what `generate` will need), and grown, outside decode steps,
+when an eager step needs more; bounded by `max_device_pages` over all the cache's layers. A compiled decode step cannot
+grow it (`FULL_WHEN_COMPILED`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .errors import FlexiCacheError
+from .speculative import generate_max_length
+
+DEFAULT_DECODE_ROOM = 1024  # tokens past a prompt that a cache filled outside `generate` holds before it grows
+
+FULL_WHEN_COMPILED = (
+    "A compiled FlexiCache decode step has no room left ({capacity} tokens per sequence): a compiled step cannot "
+    "grow the cache. Pass max_cache_len= to FlexiCache (the prompt plus every token to generate), or let generate "
+    "size it (it does from max_new_tokens)."
+)
+
+
+class Room:
+    """The capacity of a cache's FlexiCache layers (`layers`, set by the cache once it built them), in tokens per
+    sequence (0: nothing allocated yet)."""
+
+    def __init__(self, cfg, max_cache_len: int | None):
+        self.cfg = cfg
+        self.max_cache_len = max_cache_len
+        self.capacity = 0
+        self.layers: list = []
+
+    def capacity_for(self, tokens: int, batch: int) -> int:
+        """The capacity to allocate when the first `tokens` arrive: `max_cache_len`, else what `generate` will need
+        (its `max_length`), else `tokens` plus `DEFAULT_DECODE_ROOM`; under `max_device_pages`, at most what fits (and
+        refused, before anything is written, if `tokens` do not)."""
+        if not self.capacity:
+            wanted = self.max_cache_len or generate_max_length() or tokens + DEFAULT_DECODE_ROOM
+            floor = 2 * self.cfg.page_size  # a ranking's page being filled and one more
+            self.capacity = self._bounded(max(wanted, tokens, floor), max(tokens, floor), batch)
+        return self.capacity
+
+    def ensure(self, tokens: int) -> None:
+        """Room for `tokens` per sequence in every layer, grown (new tensors, outside a decode step) when short: to
+        what `generate` will need if that holds them, else by half again, within `max_device_pages` (refused, before
+        anything is written, where `tokens` do not fit)."""
+        if tokens <= self.capacity:
+            return
+        if torch.compiler.is_compiling():
+            raise FlexiCacheError(FULL_WHEN_COMPILED.format(capacity=self.capacity))
+        batch = next((layer.batch for layer in self.layers if layer.is_initialized), 1)
+        grown = max(tokens, generate_max_length() or 0, self.capacity + self.capacity // 2)
+        self.capacity = self._bounded(grown, tokens, batch)
+        for layer in self.layers:
+            layer.grow(self.capacity)
+
+    def _bounded(self, wanted: int, needed: int, batch: int) -> int:
+        """`wanted` tokens (page-rounded), or the most that fit `max_device_pages` over all layers if fewer, never
+        fewer than `needed`: a capacity that does not fit is refused."""
+        page = self.cfg.page_size
+        wanted, needed = _round_up(wanted, page), _round_up(needed, page)
+        bound = self.cfg.max_device_pages
+        if bound is None:
+            return wanted
+
+        def fits(capacity):
+            return sum(layer.device_pages(capacity, batch) for layer in self.layers) <= bound
+
+        if not fits(needed):
+            held = max((layer.length for layer in self.layers), default=0)
+            state = "The cache is still empty." if held == 0 else (
+                f"Nothing was written; the cache still holds all {held} tokens so far.")
+            pages = sum(layer.device_pages(needed, batch) for layer in self.layers)
+            raise FlexiCacheError(
+                f"Holding {needed} tokens per sequence needs {pages} device pages but max_device_pages={bound}. "
+                f"Raise max_device_pages, shorten the prompt or generation, or use a smaller batch. {state}"
+            )
+        low, high = needed // page, wanted // page  # the most pages per row that fit, by bisection
+        while low < high:
+            mid = (low + high + 1) // 2
+            low, high = (mid, high) if fits(mid * page) else (low, mid - 1)
+        return low * page
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
