@@ -404,7 +404,7 @@ def test_append_token_minmax_keeps_nan_keys(fused_ops, dtype):
             torch.testing.assert_close(got[name], expected, rtol=0, atol=0, equal_nan=True, msg=name)
 
 
-def test_the_cpp_append_token_refuses_a_position_outside_the_tier():
+def test_native_append_token_refuses_a_position_outside_the_tier():
     """A position at or past the full tier's end (a full cache) raises in the C++ op, which reads the position as a
     host number anyway, instead of writing past its tensors."""
     from fc_hf.kernels import native_ops
