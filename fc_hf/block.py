@@ -167,6 +167,7 @@ def attend_block(layer, query: torch.Tensor, keys: torch.Tensor, values: torch.T
         _streaming(layer, q, t, bias, scaling, softcap, out)
     marks = before.marks(layer, plan, carried, windows)
     _settle(layer, plan, carried, windows, as_tensor)
+    store.length = held + t
     if plan.n_unstable:
         layer.note_ranking(type(ranking)(ranking.pages[plan.n_unstable - rows.n_unstable : plan.n_unstable]),
                            rows.n_unstable)
@@ -323,7 +324,7 @@ class _Before:
 
 def _settle(layer, plan: BlockPlan, carried, made: _Windows | None, as_tensor) -> None:
     """Leave the layer as the block's last step would: each row's last carried candidates, each stable row's last
-    window, the pages promoted, the count of tokens."""
+    window, the pages promoted."""
     store, selector = layer.store, layer.selector
     last = plan.last_entries(plan.t)
     if carried is not None and last:
@@ -340,4 +341,3 @@ def _settle(layer, plan: BlockPlan, carried, made: _Windows | None, as_tensor) -
         install_windows(store, as_tensor(local), made.window, made.shift, made.keys, made.values)
         layer.promoted.add_(made.promoted.sum())
     layer.rank_all = False
-    layer.store.length = layer.length + plan.t

@@ -104,7 +104,6 @@ class FlexiCacheLayer(VerifiedDecoding, CacheLayerMixin):
         self.turn_steps: list[int] = []  # decode steps of each earlier turn (stats)
         self.last_ranking = None  # (pages [N_E, K] of the unstable rows) of the last eager decode step (inspection)
         self.host_step: int | None = None  # an eager decode step's step since the last prompt (None when compiled)
-        self.traced = False  # a compiled decode step was traced: the device's count of tokens is the exact one
         # Inspection (eval tools), off by default: the rows ranked and the pages each row read at the last eager step.
         self.record_reads = False
         self.last_reads: dict | None = None
@@ -128,14 +127,8 @@ class FlexiCacheLayer(VerifiedDecoding, CacheLayerMixin):
 
     @property
     def length(self) -> int:
-        """Tokens held, as a host number: the store's count, which the host keeps while it drives every write. A
-        compiled decode step advances only the device's count (`length_t`), so once one was traced the host reads that
-        (a sync: only outside decode steps, and in eager steps of such a cache) and keeps it as the store's count."""
-        if self.store is None:
-            return 0
-        if self.traced:
-            self.store.length = int(self.store.length_t)
-        return self.store.length
+        """Tokens held, as a host number (`PageStore.length`: read from the device once a compiled step was traced)."""
+        return 0 if self.store is None else self.store.length
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         if key_states.shape[1] != self.num_kv_heads:  # else heads would be mis-grouped silently
@@ -156,6 +149,7 @@ class FlexiCacheLayer(VerifiedDecoding, CacheLayerMixin):
     def _build(self, batch: int, capacity: int) -> None:
         store = PageStore(self.kinds, self.cfg, batch, self.head_dim, self.value_dim, self.dtype, self.device, capacity,
                           host_tier=self.cfg.offload)
+        store.traced = self.store is not None and self.store.traced  # a compiled step replays on the new store too
         self.store = store
         self.selector = PageSelector(self.cfg, store.n, self.device)
         self.prompt_end_t = torch.zeros((), dtype=torch.long, device=self.device)  # `prompt_end` on the device
@@ -250,8 +244,8 @@ class FlexiCacheLayer(VerifiedDecoding, CacheLayerMixin):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         t = key_states.shape[2]
-        if torch.compiler.is_compiling():
-            self.traced = True
+        if torch.compiler.is_compiling() and self.store is not None:
+            self.store.traced = True  # from now on the device's count of tokens is the exact one
         if self.pending:
             raise FlexiCacheError(NOT_FLEXICACHE.format(impl=attn_implementation_of(self.model_config)))
         if torch.compiler.is_compiling() and (t > 1 or not self.is_initialized) and not self.record_past:
@@ -361,7 +355,7 @@ class FlexiCacheLayer(VerifiedDecoding, CacheLayerMixin):
         query alone on an empty layer (its prompt attends over itself)."""
         if self.store is None:
             return query_length, 0
-        if not torch.compiler.is_compiling() and (query_length > 1 or not self.traced):
+        if not torch.compiler.is_compiling() and (query_length > 1 or not self.store.traced):
             # Room first (an eager step may grow the cache; reading a traced cache's count is a sync: prompts only).
             self.room.ensure(self.length + query_length)
         return self.store.capacity, 0

@@ -89,8 +89,9 @@ class PageStore:
         self.host_tier = host_tier  # stable rows' full tier counts as host memory (offload on)
         self.rows = RowIndex(kinds, batch, self.device)
         self.n = self.rows.rows
-        self.length = 0
-        self.length_t = torch.zeros((), dtype=torch.long, device=self.device)
+        self._held = 0  # the host's count of tokens per row (`length`)
+        self.length_t = torch.zeros((), dtype=torch.long, device=self.device)  # the device's count
+        self.traced = False  # a compiled decode step was traced on this store (`length`)
         self.capacity = 0
         self.full_k = self.full_v = self.meta = self.near_k = self.near_v = None
         self.full_mapped = False  # the full tier is mapped host memory (CUDA)
@@ -113,6 +114,17 @@ class PageStore:
         self.no_page = torch.full((), -1, dtype=torch.long, device=self.device)  # a window place without a page
 
     # -- sizes ----------------------------------------------------------------------------------------
+    @property
+    def length(self) -> int:
+        """Tokens held per row, as a host number: the host's own count while it drove every write. A compiled decode
+        step advances only the device's count (`length_t`), so once one was traced the device's is read (a sync: only
+        outside decode steps, and in eager steps of such a cache). Every host write sets both."""
+        return int(self.length_t) if self.traced else self._held
+
+    @length.setter
+    def length(self, held: int) -> None:
+        self._held = held
+
     @property
     def pages(self) -> int:
         """Pages per row the capacity holds."""

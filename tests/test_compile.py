@@ -115,24 +115,30 @@ def test_a_reset_cache_is_reused_without_recompiling(setup):
     assert torch.equal(both[0], both[1])
 
 
-def test_a_new_turn_after_compiled_steps_continues_where_they_ended(setup):
+@pytest.mark.parametrize("room", [500, None], ids=["room for both turns", "the turn grows the cache"])
+def test_a_new_turn_after_compiled_steps_continues_where_they_ended(setup, room):
     """Compiled steps advance only the device's count of tokens; the next turn (a prompt on the filled cache) is
-    written after them, not over them. Before the host count had one home, the turn was written at the last prompt's
-    end, over the compiled steps' tokens, and its answer parted from eager FlexiCache's."""
+    written after them, not over them, and a cache grown for it copies them into every layer. Before the host count
+    had one home, the turn was written at the last prompt's end, over the compiled steps' tokens; and while each layer
+    read the device's count only when asked, growing for the first layer copied the other layers' tokens up to a
+    stale count. Either way the answer parted from eager FlexiCache's."""
     model, ids, mask, profile = setup
 
     def two_turns(**kw):
-        cache = FlexiCache(model.config, CFG, profile, max_cache_len=500)
+        cache = FlexiCache(model.config, CFG, profile, max_cache_len=room)
         first = _generate(model, cache, ids, mask, **kw)
+        capacity = cache.capacity
         turn = torch.cat([first, ids[:, 100:140]], dim=1)
         turn_mask = torch.cat([mask, mask.new_ones(2, turn.shape[1] - mask.shape[1])], dim=1)
         with torch.no_grad():
             second = model.generate(turn, attention_mask=turn_mask, max_new_tokens=16, do_sample=False,
                                     **cache_kwargs(model, cache), **kw)
-        return second, [layer.length for layer in cache.layers], [int(layer.store.length_t) for layer in cache.layers]
+        grown = cache.capacity > capacity
+        return second, [layer.length for layer in cache.layers], [int(layer.store.length_t) for layer in cache.layers], grown
 
-    eager, eager_lengths, _ = two_turns()
-    (out, lengths, device_lengths), _, breaks = _graphs(lambda: two_turns(compile_config=_compile_config()))
+    eager, eager_lengths, _, grown = two_turns()
+    assert grown is (room is None)
+    (out, lengths, device_lengths, _), _, breaks = _graphs(lambda: two_turns(compile_config=_compile_config()))
     assert breaks == {}
     assert lengths == device_lengths == eager_lengths == [out.shape[1] - 1] * 2
     assert torch.equal(out, eager)
