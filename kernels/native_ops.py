@@ -76,7 +76,8 @@ def build_folder() -> Path:
 def _build() -> Path:
     """The path of the shared library for this source, torch and CPU, compiled unless cached (by any compiler).
     `-march=native` (this machine's vector units) is tried first, then plain `-O3`; a failure raises with the
-    compiler's last words."""
+    compiler's last words. Flags a compiler refused are not asked of it again for a day (a `.failed` marker, removed
+    with the partial files), so a compiler without `-march=native` costs one failed build, not one per process."""
     from torch.utils import cpp_extension
 
     compiler = os.environ.get("CXX") or "c++"
@@ -95,6 +96,10 @@ def _build() -> Path:
             with contextlib.suppress(OSError):  # a cache another user owns is read, not marked
                 os.utime(target)  # marks it used (see `_remove_unused`)
             return target
+        refused = folder / f"{target.stem}.{hashlib.sha1(compiler.encode()).hexdigest()[:8]}.failed"
+        if refused.exists():
+            failures.append(f"{' '.join(flags)}: refused by {compiler} within a day ({refused})")
+            continue
         partial = folder / f"{target.stem}.{os.getpid()}.partial"  # renamed into place whole: no half-written library
         command = [compiler, "-shared", "-fPIC", "-std=c++20", *flags, *includes, str(_SOURCE), *libraries, "-o",
                    str(partial)]
@@ -109,12 +114,14 @@ def _build() -> Path:
             return target
         partial.unlink(missing_ok=True)
         failures.append(f"{' '.join(flags)}: exit {run.returncode}: {run.stderr.strip()[-1500:]}")
+        with contextlib.suppress(OSError):  # a cache folder another user owns: the next process tries again
+            refused.write_text(failures[-1])
     raise RuntimeError(f"{compiler} failed to compile {_SOURCE.name}\n" + "\n".join(failures))
 
 
 def _remove_unused(folder: Path, keep: Path):
-    """Removes cached builds no process loaded in `_UNUSED_DAYS` days (each load touches its file), and partial ones a
-    day old; a process that has a removed library loaded keeps it (it is only unlinked)."""
+    """Removes cached builds no process loaded in `_UNUSED_DAYS` days (each load touches its file), and partial builds
+    and refusal markers a day old; a process that has a removed library loaded keeps it (it is only unlinked)."""
     now = time.time()
     for path in folder.iterdir():
         try:

@@ -1023,6 +1023,27 @@ def test_native_kernels_build_with_only_a_compiler_and_are_cached(tmp_path):
     assert len(built) == 2 and recent.name in built and stale.name not in built, built
 
 
+def test_native_flags_a_compiler_refused_are_not_asked_again(tmp_path):
+    """A compiler that refuses `-march=native` is asked once: the first process builds with plain `-O3` after the
+    refusal, a second loads that build without calling the compiler at all."""
+    import shutil
+
+    calls = tmp_path / "calls"
+    compiler = tmp_path / "c++"
+    compiler.write_text(f"#!/bin/sh\necho \"$*\" | grep -q -- -march=native && echo N >> {calls} && exit 1\n"
+                        f"echo O >> {calls}\nexec {shutil.which('c++') or 'c++'} \"$@\"\n")
+    compiler.chmod(0o755)
+    script = "from fc_hf.kernels import native_ops; print(native_ops.available(), native_ops.build_error())"
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "FLEXICACHE_BACKEND")}
+    env.update(CXX=str(compiler), TORCH_EXTENSIONS_DIR=str(tmp_path / "extensions"))
+    for _ in range(2):
+        run = subprocess.run([sys.executable, "-c", script], cwd=ROOT / "tests", env=env, capture_output=True,
+                             text=True, timeout=300)
+        assert run.returncode == 0 and run.stdout.split() == ["True", "None"], run.stdout[-2000:] + run.stderr[-3000:]
+    assert calls.read_text().split() == ["N", "O"]  # the refusal, the plain build; nothing in the second process
+    assert len(list((tmp_path / "extensions" / "flexicache_native").glob("*.failed"))) == 1
+
+
 def test_triton_stays_optional():
     """The kernels' dispatch runs the CPU backends without importing triton (torch and transformers may
     import it themselves: torch._dynamo probes for it), and FlexiCache's core imports and runs without triton installed
