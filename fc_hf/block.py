@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .decode import attend_chosen
+from .decode import attend_chosen, attend_near_pages
 from .kernels import dispatch as kernels
 from .schedule import phase_range
 from .tiers import install_windows, newly_resident, plan_windows, window_pages_of
@@ -257,21 +257,17 @@ def _stable(layer, q, plan: BlockPlan, ranking, bias, scaling, softcap, out, as_
 def _streaming(layer, q, t, bias, scaling, softcap, out) -> None:
     """The streaming rows of every step: the sink and the most recent pages of the step's page being filled."""
     store, rows, cfg = layer.store, layer.store.rows, layer.cfg
-    n_x, n, p, k = rows.n_streaming, store.n, store.page_size, min(cfg.pages_per_head, store.pages)
+    n_x, n, k = rows.n_streaming, store.n, min(cfg.pages_per_head, store.pages)
     sink = cfg.streaming_sink_pages
     page = bias.page.view(t, store.batch)[:, :1]  # [t, 1]: every sequence of a step shares its position
     recent = page - (k - sink - 1) + layer.recent_offsets
     pages = torch.where(page < k, layer.first_pages, torch.cat([layer.first_pages[:sink].expand(t, -1), recent], 1))
     at = (layer.streaming_page_starts.view(1, n_x, 1) + pages[:, None, :]).view(-1)  # [t, N_X, K]
-    keys = kernels.gather_pages(store.near_k.view(-1, p, store.head_dim), at, backend=cfg.backend).view(t * n_x, k * p, -1)
-    values = kernels.gather_pages(store.near_v.view(-1, p, store.value_dim), at,
-                                  backend=cfg.backend).view(t * n_x, k * p, -1)
     seq = (torch.arange(t, device=q.device)[:, None] * store.batch + rows.batch_of.index_select(0, rows.streaming))
     tok = bias.page_tokens(seq[:, :, None], pages[:, None, :])
     where = (torch.arange(t, device=q.device)[:, None] * n + rows.streaming).view(-1)
-    result = kernels.attention(q.index_select(0, where), keys, values, tok.view(t * n_x, -1), scaling, softcap,
-                               backend=cfg.backend)
-    out.index_copy_(0, where, result)
+    out.index_copy_(0, where, attend_near_pages(layer, q.index_select(0, where), at, tok.view(t * n_x, -1), scaling,
+                                                softcap))
 
 
 class _Before:

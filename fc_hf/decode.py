@@ -173,17 +173,25 @@ def attend_chosen(layer, ranking: Ranking, m: int, page_starts: torch.Tensor, qu
     logits of those pages re-used where it kept them (refinement, no softcap), else their keys gathered. `page_starts
     [m, 1]`: each row's first page in the near tier (`PageStore.near_index`: the rows are unstable); `queries()` and
     `sequences()` give the rows' queries `[m, G, D]` and sequences `[m]`, read only on the second path."""
-    store, backend, p = layer.store, layer.cfg.backend, layer.store.page_size
+    store = layer.store
     chosen = ranking.pages[:m]
     if ranking.logits is not None and softcap is None:  # the ranking's own logits of the chosen pages
         return kernels.chosen_attention(ranking.logits, ranking.top[:m], chosen, page_starts.view(-1),
-                                        store.near_v.view(-1, store.value_dim), backend=backend)
-    k = chosen.shape[1]
-    at = (page_starts + chosen).view(-1)
-    values = kernels.gather_pages(store.near_v.view(-1, p, store.value_dim), at, backend=backend).view(m, k * p, -1)
-    keys = kernels.gather_pages(store.near_k.view(-1, p, store.head_dim), at, backend=backend).view(m, k * p, -1)
+                                        store.near_v.view(-1, store.value_dim), backend=layer.cfg.backend)
     tok = bias.page_tokens(sequences()[:, None], chosen)
-    return kernels.attention(queries(), keys, values, tok, scaling, softcap, backend=backend)
+    return attend_near_pages(layer, queries(), (page_starts + chosen).view(-1), tok, scaling, softcap)
+
+
+def attend_near_pages(layer, queries: torch.Tensor, at: torch.Tensor, tok: torch.Tensor, scaling,
+                      softcap) -> torch.Tensor:
+    """Attention of `m` rows' `queries [m, G, D]` over pages of the near tier: `at [m * K]` their flat page indices
+    (each row's first page, `PageStore.near_index`, plus the pages it reads), `tok [m, K * P]` the tokens' bias. The one
+    way unstable and streaming rows find their pages; stable rows read their windows in place."""
+    store, backend, p, m = layer.store, layer.cfg.backend, layer.store.page_size, queries.shape[0]
+    keys = kernels.gather_pages(store.near_k.view(-1, p, store.head_dim), at, backend=backend)
+    values = kernels.gather_pages(store.near_v.view(-1, p, store.value_dim), at, backend=backend)
+    return kernels.attention(queries, keys.view(m, -1, store.head_dim), values.view(m, -1, store.value_dim), tok,
+                             scaling, softcap, backend=backend)
 
 
 def _attend_windows(layer, q, bias: StepBias, scaling, softcap) -> torch.Tensor:
@@ -200,14 +208,9 @@ def _attend_streaming(layer, q, bias: StepBias, scaling, softcap) -> torch.Tenso
     """The LServe-like baseline's streaming rows: the first `streaming_sink_pages` pages and the most recent ones, K in
     all (every page while there are at most K)."""
     store, rows, cfg = layer.store, layer.store.rows, layer.cfg
-    n_x, p, k = rows.n_streaming, store.page_size, min(cfg.pages_per_head, store.pages)
-    sink = cfg.streaming_sink_pages
+    k, sink = min(cfg.pages_per_head, store.pages), cfg.streaming_sink_pages
     recent = bias.page - (k - sink - 1) + layer.recent_offsets  # [K - sink]
     pages = torch.where(bias.page < k, layer.first_pages, torch.cat([layer.first_pages[:sink], recent]))
-    at = (layer.streaming_page_starts + pages).view(-1)
-    keys = kernels.gather_pages(store.near_k.view(-1, p, store.head_dim), at, backend=cfg.backend).view(n_x, k * p, -1)
-    values = kernels.gather_pages(store.near_v.view(-1, p, store.value_dim), at, backend=cfg.backend).view(n_x, k * p, -1)
-    seq = rows.batch_of.index_select(0, rows.streaming)
-    tok = bias.page_tokens(seq[:, None], pages)
-    return kernels.attention(q.index_select(0, rows.streaming), keys, values, tok, scaling, softcap,
-                             backend=cfg.backend)
+    tok = bias.page_tokens(rows.batch_of.index_select(0, rows.streaming)[:, None], pages)
+    return attend_near_pages(layer, q.index_select(0, rows.streaming), (layer.streaming_page_starts + pages).view(-1),
+                             tok, scaling, softcap)
