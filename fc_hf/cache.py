@@ -352,9 +352,9 @@ class FlexiCache(Cache):
             self.auto.topk, self.auto.valid = {}, {}
 
     def reset(self) -> None:
-        """Empty the cache for a new batch of prompts, keeping its tensors (same addresses: a compiled decode step is
-        reused, not recompiled; a pipeline can pass one cache to every call). A later batch of another size
-        reallocates."""
+        """Empty the cache for a new batch of prompts of the same batch size, keeping its tensors (same addresses: a
+        compiled decode step is reused, not recompiled; a pipeline can pass one cache to every call). A batch of another
+        size is refused, naming the fix: a new FlexiCache."""
         self.deactivate_past_recording()
         for layer in self.layers:
             if isinstance(layer, FlexiCacheLayer):
