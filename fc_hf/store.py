@@ -125,6 +125,12 @@ class PageStore:
     def length(self, held: int) -> None:
         self._held = held
 
+    def hold(self, length: int) -> None:
+        """Hold `length` tokens per row from now on, in both counts (the host's and the device's): a write the host
+        drives that does not advance `length_t` itself."""
+        self._held = length
+        self.length_t.fill_(length)
+
     @property
     def pages(self) -> int:
         """Pages per row the capacity holds."""
@@ -280,8 +286,7 @@ class PageStore:
         else:
             tokens = self.full_k[:, first * p : last * p]
         self.write_meta(first, last, tokens)
-        self.length = end
-        self.length_t.fill_(end)
+        self.hold(end)
 
     def write_meta(self, first: int, end: int, tokens: torch.Tensor) -> None:
         """MinMax entries of pages `[first, end)` from their keys `tokens [N, (end - first) * P, D]` (the last page's
@@ -367,8 +372,7 @@ class PageStore:
 
     def empty(self) -> None:
         """Hold no token, keeping every tensor (a reset cache; the next prompt aims the windows)."""
-        self.length = 0
-        self.length_t.zero_()
+        self.hold(0)
         self.win_pages.fill_(-1)
 
     def put_back_windows(self, win_pages: torch.Tensor, win_shift: torch.Tensor) -> torch.Tensor:

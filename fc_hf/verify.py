@@ -62,8 +62,7 @@ class VerifiedDecoding:
         self.selector.restore(mark.carried)
         self.promoted.copy_(mark.promoted)
         self.rank_all = mark.rank_all
-        store.length_t.fill_(mark.length)
-        store.length = mark.length
+        store.hold(mark.length)
 
     def crop_mark(self, tokens_to_remove: int) -> LayerMark | None:
         """The mark `crop(tokens_to_remove)` restores (None for 0); raises, changing nothing, when there is none."""
