@@ -365,8 +365,6 @@ class FlexiCache(Cache):
 
     # -- tokens held and room for them -------------------------------------------------------------------
     def _layer_length(self, layer) -> int:
-        if isinstance(layer, FlexiCacheLayer):
-            return layer.length
         return layer.get_seq_length() if getattr(layer, "is_initialized", False) else 0
 
     @property
