@@ -15,7 +15,8 @@ sub-pages S = 1 to 4 (3: a padded page), more pages than one program's block, no
 biases, a bias per query head `[n, G, M]`, softcap, token splits (the combine kernel) and single-pass launches, rows
 and splits with no attendable token, fp32 / bf16 / fp16; the fake implementations (FakeTensorMode, meta tensors,
 `torch.library.opcheck`); a compiled function (`fullgraph=True`, aot_eager) keeps each op as one node; dispatch routes
-to the ops only on the Triton backend; FlexiCache imports and decodes without triton.
+to the ops only on the Triton backend; FlexiCache imports and decodes without triton; `generate` with every op on the
+Triton backend, eager and compiled, gives the PyTorch path's tokens.
 """
 
 import os
@@ -924,6 +925,43 @@ def test_compiled_step_keeps_each_op_as_one_node(fused_ops):
     assert aten.count(_raw_ops(fused_ops).attention.default) == 1
     for got, want in zip(compiled, eager):
         torch.testing.assert_close(got, want)
+
+
+@kernels_here
+@pytest.mark.skipif(CUDA, reason="on a CPU under the interpreter; a GPU runs this step in eval/bench/gpu_bench.sh")
+def test_generate_on_the_triton_kernels_compiles_in_two_graphs_with_the_pytorch_paths_tokens(monkeypatch):
+    """The GPU's decode step as a whole (every op on the Triton backend, the near rows apart from the full tier as on a
+    GPU), here under the interpreter: eager, its tokens are the PyTorch path's; compiled by `generate` (aot_eager,
+    `fullgraph=True`, `dynamic=False`), no graph break, at most 2 graphs, the same tokens and promotions. The check of
+    tests/test_compile.py, shortened (a 200-token prompt, 12 new tokens: stable re-ranks with promotions included)."""
+    import dataclasses
+
+    from conftest import left_padded_batch, tiny_model
+    from test_compile import CFG, _compile_config, _graphs
+
+    from fc_hf import FlexiCache, HeadProfile
+    from fc_hf.compat import cache_kwargs
+    from fc_hf.store import PageStore
+
+    monkeypatch.setattr(PageStore, "split_on_cpu", True)
+    model = tiny_model("llama", layers=2, heads=4, kv_heads=2)
+    ids, mask = left_padded_batch(2, 200, pad_lengths=[0, 21])
+    profile = HeadProfile.from_unstable(model.config, {(0, 0), (1, 1)})
+
+    def generate(backend, **kw):
+        cache = FlexiCache(model.config, dataclasses.replace(CFG, backend=backend), profile)
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False,
+                                 **cache_kwargs(model, cache), **kw)
+        return out, cache.stats()["pages_promoted"]
+
+    reference, promoted = generate("torch")
+    assert promoted > 0
+    eager, eager_promoted = generate("triton")
+    assert torch.equal(eager, reference) and eager_promoted == promoted
+    (out, compiled_promoted), graphs, breaks = _graphs(lambda: generate("triton", compile_config=_compile_config()))
+    assert breaks == {} and graphs <= 2
+    assert torch.equal(out, reference) and compiled_promoted == promoted
 
 
 def test_dispatch_routes_to_the_ops_only_on_the_triton_backend(triton_ops, monkeypatch):
