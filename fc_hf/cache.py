@@ -194,11 +194,22 @@ class FlexiCache(Cache):
             return
         layer = self.layers[first]
         t = key_states.shape[2]
+        if layer.is_initialized and key_states.shape[0] != layer.batch and layer.length == 0:
+            self._free_for_another_batch()
         self.forward.prefilling = t == 1 and layer.is_initialized and layer.length > 0 and in_prefill()
         if layer.is_initialized:
             layer.check_same_kind(key_states, device=False)  # layers may sit on different devices (device_map)
         if layer.prompt_tokens(t) < t:
             self._check_attention_function()
+
+    def _free_for_another_batch(self) -> None:
+        """An empty cache (reset, or never filled) takes a batch of another size: every layer holds nothing (checked by
+        `_check_layers_agree`), so the FlexiCache layers drop their tensors and allocate them at this prompt for the new
+        batch, with a capacity chosen for it (`max_device_pages` depends on the batch)."""
+        for layer in self.flexi_layers:
+            layer.free()
+        self.room.capacity = 0
+        self.forward.release()
 
     def _check_attention_function(self) -> None:
         """Decode steps need FlexiCache's attention function: refuse, before anything is written, a model whose config
@@ -340,9 +351,7 @@ class FlexiCache(Cache):
         """Free every tensor this cache holds; the cache cannot be used afterwards."""
         for layer in self.layers:
             if isinstance(layer, FlexiCacheLayer):
-                layer.commit()
-                self.ledger.resized(layer.device_bytes(), 0)
-                layer.store = layer.selector = layer.context = None
+                layer.free()
             else:
                 self.ledger.resized(_dense_bytes(layer), 0)
                 layer.keys = layer.values = None
@@ -352,9 +361,9 @@ class FlexiCache(Cache):
             self.auto.topk, self.auto.valid = {}, {}
 
     def reset(self) -> None:
-        """Empty the cache for a new batch of prompts of the same batch size, keeping its tensors (same addresses: a
-        compiled decode step is reused, not recompiled; a pipeline can pass one cache to every call). A batch of another
-        size is refused, naming the fix: a new FlexiCache."""
+        """Empty the cache for a new batch of prompts, keeping its tensors (same addresses: a compiled decode step is
+        reused, not recompiled; a pipeline can pass one cache to every call). A batch of another size is allocated
+        afresh at its prompt (and compiled afresh: its shapes are new)."""
         self.deactivate_past_recording()
         for layer in self.layers:
             if isinstance(layer, FlexiCacheLayer):

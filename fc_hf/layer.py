@@ -224,6 +224,15 @@ class FlexiCacheLayer(VerifiedDecoding, CacheLayerMixin):
         windows = (batch * len(self.kinds.stable) + 1) * window_pages(self.cfg, pages) if self.kinds.stable else 0
         return batch * device_heads * pages + windows
 
+    def free(self) -> None:
+        """Drop this layer's tensors, their bytes out of the ledger (`FlexiCache.release`, or an empty cache taking a
+        batch of another size): a later prompt allocates them anew."""
+        self.commit()
+        if self.store is not None:
+            self.ledger.resized(self.device_bytes(), 0)
+        self.store = self.selector = self.context = None
+        self.is_initialized = False
+
     def reset_state(self) -> None:
         """Hold no token, keeping the tensors (`FlexiCache.reset`)."""
         self.commit()
@@ -347,7 +356,7 @@ class FlexiCacheLayer(VerifiedDecoding, CacheLayerMixin):
         if key_states.shape[0] != self.batch:
             raise FlexiCacheError(
                 f"FlexiCache layer {self.layer_idx} holds batch {self.batch} but got {key_states.shape[0]} sequences; "
-                "use a fresh FlexiCache for a new batch."
+                "for a new batch, call cache.reset() first or use a fresh FlexiCache."
             )
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:

@@ -115,6 +115,32 @@ def test_a_reset_cache_is_reused_without_recompiling(setup):
     assert torch.equal(both[0], both[1])
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_a_reset_cache_takes_a_batch_of_another_size(setup, compiled):
+    """After `reset()` a batch of another size is allocated afresh at its prompt: the tokens, capacity and device bytes
+    of a fresh cache for that batch, eager and compiled (a new batch size compiles its own graphs), and back again."""
+    model, _, _, profile = setup
+    prompts = [left_padded_batch(2, 330, pad_lengths=[0, 21]), left_padded_batch(3, 250, pad_lengths=[0, 5, 40]),
+               left_padded_batch(2, 200, pad_lengths=[3, 0])]
+    kw = dict(compile_config=_compile_config()) if compiled else {}
+
+    def run():
+        cache, seen = FlexiCache(model.config, CFG, profile), []
+        for i, (ids, mask) in enumerate(prompts):
+            if i:
+                cache.reset()
+            seen.append((_generate(model, cache, ids, mask, **kw), cache.capacity,
+                         cache.memory_report()["device_kv_bytes"]))
+        return seen
+
+    seen, _, breaks = _graphs(run)
+    assert breaks == {}
+    for (ids, mask), (out, capacity, device_bytes) in zip(prompts, seen):
+        fresh = FlexiCache(model.config, CFG, profile)
+        assert torch.equal(out, _generate(model, fresh, ids, mask))
+        assert (capacity, device_bytes) == (fresh.capacity, fresh.memory_report()["device_kv_bytes"])
+
+
 @pytest.mark.parametrize("room", [500, None], ids=["room for both turns", "the turn grows the cache"])
 def test_a_new_turn_after_compiled_steps_continues_where_they_ended(setup, room):
     """Compiled steps advance only the device's count of tokens; the next turn (a prompt on the filled cache) is
