@@ -21,6 +21,7 @@ from .kernels import dispatch as kernels
 from .rows import HeadKinds
 from .schedule import phase_of, phase_range, ranked_rows, rows_per_step
 from .selection import PageSelector
+from .speculative import generate_max_length
 from .store import PageStore, mark_static, window_pages
 from .verify import VerifiedDecoding
 
@@ -365,8 +366,11 @@ class FlexiCacheLayer(VerifiedDecoding, CacheLayerMixin):
         if self.store is None:
             return query_length, 0
         if not torch.compiler.is_compiling() and (query_length > 1 or not self.store.traced):
-            # Room first (an eager step may grow the cache; reading a traced cache's count is a sync: prompts only).
-            self.room.ensure(self.length + query_length)
+            # Room first (an eager step may grow the cache; reading a traced cache's count is a sync: prompts only),
+            # for generate's prompt also room for the call's decode steps, which may be compiled (a reset cache or a
+            # new turn whose prompt fits but whose new tokens would not).
+            wanted = (generate_max_length(loop=False) or 0) if query_length > 1 else 0
+            self.room.ensure(self.length + query_length, wanted)
         return self.store.capacity, 0
 
     def get_seq_length(self):

@@ -41,17 +41,18 @@ class Room:
             self.capacity = self._bounded(max(wanted, tokens, floor), max(tokens, floor), batch)
         return self.capacity
 
-    def ensure(self, tokens: int) -> None:
+    def ensure(self, tokens: int, wanted: int = 0) -> None:
         """Room for `tokens` per sequence in every layer, grown (new tensors, outside a decode step) when short: to
         what `generate` will need if that holds them, else by half again, within `max_device_pages` (refused, before
-        anything is written, where `tokens` do not fit)."""
-        if tokens <= self.capacity:
+        anything is written, where `tokens` do not fit). `wanted`: tokens a prompt's generate call will hold (its
+        `max_length`), grown to as far as `max_device_pages` allows, since its compiled decode steps cannot grow."""
+        if tokens <= self.capacity and wanted <= self.capacity:
             return
         if torch.compiler.is_compiling():
             raise FlexiCacheError(FULL_WHEN_COMPILED.format(capacity=self.capacity))
         batch = next((layer.batch for layer in self.layers if layer.is_initialized), 1)
-        grown = max(tokens, generate_max_length() or 0, self.capacity + self.capacity // 2)
-        self.capacity = self._bounded(grown, tokens, batch)
+        grown = max(tokens, wanted, generate_max_length() or 0, self.capacity + self.capacity // 2)
+        self.capacity = max(self.capacity, self._bounded(grown, tokens, batch))
         for layer in self.layers:
             layer.grow(self.capacity)
 

@@ -49,11 +49,11 @@ def in_prefill(depth: int = 48) -> bool:
     return _generation_frame(PREFILL, depth) is not None
 
 
-def generate_max_length(depth: int = 48) -> int | None:
-    """`generation_config.max_length` of the `generate` call the caller runs in (its prompt stage, or the assisted
-    loop's first forward), else None: the tokens per sequence that call will hold, what `StaticCache` is sized to."""
+def generate_max_length(depth: int = 48, loop: bool = True) -> int | None:
+    """`generation_config.max_length` of the `generate` call the caller runs in (its prompt stage, or with `loop` the
+    assisted loop's forwards), else None: the tokens per sequence that call will hold, what `StaticCache` is sized to."""
     prefill = _generation_frame(PREFILL, depth)
-    frame = prefill or _generation_frame(LOOP, depth)
+    frame = prefill or (_generation_frame(LOOP, depth) if loop else None)
     config = None if frame is None else frame.f_locals.get("generation_config")
     length = getattr(config, "max_length", None)
     if not isinstance(length, int) or length <= 0:

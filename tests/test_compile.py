@@ -33,9 +33,9 @@ def _compile_config() -> CompileConfig:
     return config
 
 
-def _generate(model, cache, ids, mask, **kw):
+def _generate(model, cache, ids, mask, max_new_tokens=64, **kw):
     with torch.no_grad():
-        return model.generate(ids, attention_mask=mask, max_new_tokens=64, do_sample=False,
+        return model.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
                               **cache_kwargs(model, cache), **kw)
 
 
@@ -139,6 +139,31 @@ def test_a_reset_cache_takes_a_batch_of_another_size(setup, compiled):
         fresh = FlexiCache(model.config, CFG, profile)
         assert torch.equal(out, _generate(model, fresh, ids, mask))
         assert (capacity, device_bytes) == (fresh.capacity, fresh.memory_report()["device_kv_bytes"])
+
+
+@pytest.mark.parametrize("later", ["reset", "turn"], ids=["a reset cache", "a new turn whose prompt fits"])
+def test_a_later_call_that_generates_more_gets_room_for_its_compiled_steps(setup, later):
+    """The capacity fits the first call (a 300-token prompt and 16 new tokens: 320). A later call whose prompt fits but
+    whose new tokens do not (after `reset()`, 80 new tokens; a turn of 2 more tokens, 40 new) grows the cache at its
+    prompt to what its generate call will hold, since its compiled steps cannot grow it; it raised that the compiled
+    step had no room left. Tokens equal eager FlexiCache's."""
+    model, _, _, profile = setup
+    ids, mask = left_padded_batch(2, 300, pad_lengths=[0, 21])
+
+    def run(**kw):
+        cache = FlexiCache(model.config, CFG, profile)
+        first = _generate(model, cache, ids, mask, max_new_tokens=16)
+        assert cache.capacity == 320
+        if later == "reset":
+            cache.reset()
+            return _generate(model, cache, ids, mask, max_new_tokens=80, **kw)
+        turn = torch.cat([first, ids[:, 100:102]], 1)
+        turn_mask = torch.cat([mask, torch.ones(2, turn.shape[1] - mask.shape[1], dtype=mask.dtype)], 1)
+        return _generate(model, cache, turn, turn_mask, max_new_tokens=40, **kw)
+
+    eager = run()
+    out, _, breaks = _graphs(lambda: run(compile_config=_compile_config()))
+    assert breaks == {} and torch.equal(out, eager)
 
 
 @pytest.mark.parametrize("room", [500, None], ids=["room for both turns", "the turn grows the cache"])
