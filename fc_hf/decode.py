@@ -50,10 +50,11 @@ class DecodeContext:
             self._shared[key] = (self.position // length).view(1)
         return self._shared[key]
 
-    def token_slots(self, row_starts: torch.Tensor, capacity: int) -> torch.Tensor:
+    def token_slots(self, row_starts: torch.Tensor) -> torch.Tensor:
         """`[N]`: where the new token goes in each row's full tier (`row_starts + position`), computed once for the
-        layers that share a row count and capacity (every layer of a cache)."""
-        key = ("slots", row_starts.shape[0], capacity)
+        layers that share a row count (every layer of a cache: they share one capacity, so one `row_starts`). Not keyed
+        by the capacity: under generate's default `dynamic=None` it may be symbolic, and a key would specialise it."""
+        key = ("slots", row_starts.shape[0])
         if key not in self._shared:
             self._shared[key] = row_starts + self.position
         return self._shared[key]
@@ -80,7 +81,7 @@ def append(layer, key: torch.Tensor, value: torch.Tensor, ctx: DecodeContext) ->
                              store.rows.kind_place, store.win_k, store.win_v, store.win_shift, store.rows.stable_local,
                              *near, store.rows.near_place, store.page_size // store.subpages, backend=fused)
         return
-    at = ctx.token_slots(layer.row_starts, store.capacity)
+    at = ctx.token_slots(layer.row_starts)
     store.full_k.view(-1, d).index_copy_(0, at, keys)
     store.full_v.view(-1, dv).index_copy_(0, at, values)
     if store.near_apart:

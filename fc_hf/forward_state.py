@@ -46,7 +46,7 @@ class ForwardState:
         store = layer.store
         position = store.length_t.clone()
         if torch.compiler.is_compiling():  # an eager step grew the cache first (`Room.ensure`); a compiled one cannot
-            torch._assert_async(position < store.capacity, FULL_WHEN_COMPILED.format(capacity=store.capacity))
+            torch._assert_async(position < store.capacity, FULL_WHEN_COMPILED)
         return DecodeContext(position, position - layer.prompt_end_t + 1, self.step_bias(layer))
 
     def step_bias(self, layer) -> StepBias:
@@ -54,6 +54,8 @@ class ForwardState:
         by a prompt, so a compiled step finds them)."""
         store, device = layer.store, layer.device
         bias = self.biases.get(device)
+        if torch.compiler.is_compiling():  # made by the prompt; comparing sizes would specialise a symbolic capacity
+            return bias
         if bias is None or bias.batch != store.batch or bias.num_pages != store.pages:
             cfg = self.cfg
             bias = StepBias(store.batch, store.pages, cfg.page_size, cfg.subpages, cfg.sink_pages, device)

@@ -14,8 +14,10 @@ from .speculative import generate_max_length
 
 DEFAULT_DECODE_ROOM = 1024  # tokens past a prompt that a cache filled outside `generate` holds before it grows
 
+# No number in it: a compiled step's capacity may be symbolic (generate's default `dynamic=None` makes it so once it
+# changed), and a message is a constant of the graph.
 FULL_WHEN_COMPILED = (
-    "A compiled FlexiCache decode step has no room left ({capacity} tokens per sequence): a compiled step cannot "
+    "A compiled FlexiCache decode step has no room left (cache.capacity tokens per sequence): a compiled step cannot "
     "grow the cache. Pass max_cache_len= to FlexiCache (the prompt plus every token to generate), or let generate "
     "size it (it does from max_new_tokens)."
 )
@@ -49,7 +51,7 @@ class Room:
         if tokens <= self.capacity and wanted <= self.capacity:
             return
         if torch.compiler.is_compiling():
-            raise FlexiCacheError(FULL_WHEN_COMPILED.format(capacity=self.capacity))
+            raise FlexiCacheError(f"{FULL_WHEN_COMPILED} cache.capacity is {self.capacity}.")
         batch = next((layer.batch for layer in self.layers if layer.is_initialized), 1)
         grown = max(tokens, wanted, generate_max_length() or 0, self.capacity + self.capacity // 2)
         self.capacity = max(self.capacity, self._bounded(grown, tokens, batch))

@@ -166,6 +166,37 @@ def test_a_later_call_that_generates_more_gets_room_for_its_compiled_steps(setup
     assert breaks == {} and torch.equal(out, eager)
 
 
+@pytest.mark.parametrize("backend", ["torch", "native"], ids=["PyTorch backend", "C++ kernels"])
+def test_generates_default_dynamic_compiles_a_grown_cache_once_without_graph_breaks(setup, backend):
+    """generate's own `CompileConfig` has `dynamic=None`: once a reused cache's capacity changed (here a reset cache
+    growing for longer calls, 320 -> 480 -> 720 tokens), Dynamo recompiles the step with the capacity symbolic. That
+    graph takes every later capacity (at most 4 graphs for the three calls: the C++ `move_windows` once took the
+    page count as an `int`, which specialised it, 6 graphs) and has no graph break (the room check's message once held
+    the capacity and broke the graph there); the tokens are eager FlexiCache's."""
+    from fc_hf.kernels import native_ops
+
+    if backend == "native" and not native_ops.available():
+        pytest.skip(f"the C++ kernels did not build: {native_ops.build_error()}")
+    model, _, _, profile = setup
+    cfg = dataclasses.replace(CFG, backend=backend)
+    ids, mask = left_padded_batch(2, 300, pad_lengths=[0, 21])
+    config = CompileConfig(fullgraph=True, backend="aot_eager")  # generate's default but for the backend
+    config._compile_all_devices = True
+
+    def calls(**kw):
+        cache, outs = FlexiCache(model.config, cfg, profile), []
+        for new in (16, 80, 200):
+            cache.reset()
+            outs.append(_generate(model, cache, ids, mask, max_new_tokens=new, **kw))
+        assert cache.capacity == 720
+        return outs
+
+    eager = calls()
+    outs, graphs, breaks = _graphs(lambda: calls(compile_config=config))
+    assert breaks == {} and graphs <= 4
+    assert all(torch.equal(a, b) for a, b in zip(outs, eager))
+
+
 @pytest.mark.parametrize("room", [500, None], ids=["room for both turns", "the turn grows the cache"])
 def test_a_new_turn_after_compiled_steps_continues_where_they_ended(setup, room):
     """Compiled steps advance only the device's count of tokens; the next turn (a prompt on the filled cache) is
@@ -207,11 +238,11 @@ def test_a_compiled_step_with_no_room_left_raises_saying_what_to_do(setup, backe
     cache = FlexiCache(model.config, dataclasses.replace(CFG, backend=backend), profile, max_cache_len=352)
     torch._dynamo.reset()
     try:
-        with pytest.raises(RuntimeError, match="no room left .352 tokens per sequence.*Pass max_cache_len="):
+        with pytest.raises(RuntimeError, match="no room left .cache.capacity tokens per sequence.*Pass max_cache_len="):
             _generate(model, cache, ids, mask, compile_config=_compile_config())
     finally:
         torch._dynamo.reset()
-    assert [layer.length for layer in cache.layers] == [352] * 2
+    assert [layer.length for layer in cache.layers] == [352] * 2 and cache.capacity == 352
 
 
 def test_a_compiled_forward_takes_prompts_eagerly(setup):

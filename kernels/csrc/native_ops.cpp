@@ -665,7 +665,7 @@ TORCH_LIBRARY(flexicache_cpu, m) {
         "Tensor stable_local, Tensor(g!) near_k, Tensor(h!) near_v, Tensor near_place, int subpage_len) -> ()");
   m.def("move_windows(Tensor pages, Tensor page, Tensor local, Tensor rows, Tensor full_k, Tensor full_v, "
         "Tensor(a!) win_k, Tensor(b!) win_v, Tensor(c!) win_pages, Tensor(d!) win_shift, Tensor win_base, "
-        "Tensor(e!) win_bias_rows, Tensor stable_batch, Tensor(f!) promoted, int num_pages, int k, bool count) -> ()");
+        "Tensor(e!) win_bias_rows, Tensor stable_batch, Tensor(f!) promoted, SymInt num_pages, int k, bool count) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(flexicache_cpu, CPU, m) {
