@@ -364,7 +364,8 @@ class FlexiCache(Cache):
     def reset(self) -> None:
         """Empty the cache for a new batch of prompts, keeping its tensors (same addresses: a compiled decode step is
         reused, not recompiled; a pipeline can pass one cache to every call). A batch of another size is allocated
-        afresh at its prompt (and compiled afresh: its shapes are new)."""
+        afresh at its prompt (and compiled afresh: its shapes are new). The peak device bytes restart from what the
+        cache holds now."""
         self.deactivate_past_recording()
         for layer in self.layers:
             if isinstance(layer, FlexiCacheLayer):
@@ -372,6 +373,7 @@ class FlexiCache(Cache):
             elif hasattr(layer, "reset"):
                 layer.reset()
         self.forward.begin(prefilling=False)
+        self.ledger.restart_peak()
 
     # -- tokens held and room for them -------------------------------------------------------------------
     def _layer_length(self, layer) -> int:

@@ -20,6 +20,10 @@ class DeviceLedger:
         self.current += new_bytes - old_bytes
         self.peak = max(self.peak, self.current)
 
+    def restart_peak(self) -> None:
+        """Count the peak from now (a cache emptied for another call: `FlexiCache.reset`)."""
+        self.peak = self.current
+
     def transient(self, nbytes: int) -> None:
         """`nbytes` are held on top of `current` for a while (a layer's read-back), then freed."""
         self.peak = max(self.peak, self.current + nbytes)

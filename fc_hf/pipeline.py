@@ -1,5 +1,5 @@
-"""A text-generation pipeline that gives every call a fresh `FlexiCache` (the stock one would hand one cache to every
-call), so a pipeline user gets FlexiCache in one line:
+"""A text-generation pipeline that generates with a `FlexiCache` of its own, emptied for every call (the stock one would
+hand one filled cache to every call), so a pipeline user gets FlexiCache in one line:
 
     >>> from fc_hf import FlexiCacheConfig, flexicache_pipeline
     >>> pipe = flexicache_pipeline("path/to/model", cache_config=FlexiCacheConfig(token_budget=1024))
@@ -21,16 +21,20 @@ TASK = "flexicache-text-generation"
 
 
 class FlexiCacheTextGenerationPipeline(TextGenerationPipeline):
-    """The stock `TextGenerationPipeline`, with a fresh `FlexiCache` for every `generate` call.
+    """The stock `TextGenerationPipeline`, generating with one `FlexiCache` that it empties (`reset()`) for every call.
 
     Args:
-        cache_config (`FlexiCacheConfig`, *optional*): settings of every cache; defaults to `FlexiCacheConfig()`.
+        cache_config (`FlexiCacheConfig`, *optional*): settings of the cache; defaults to `FlexiCacheConfig()`.
         profile (`HeadProfile` or `"auto"`, *optional*): unstable heads; None treats every head as unstable (Quest);
-            "auto" classifies them online in every call (see `FlexiCache`).
+            "auto" classifies them online in every call, with a new cache per call (see `FlexiCache`).
         *args, **kwargs: as for `TextGenerationPipeline`.
 
-    After a call, `last_stats` and `last_memory_report` hold that call's `FlexiCache.stats()` and
-    `memory_report()`; the cache itself is not kept, so its memory is freed with the call.
+    The cache (`cache`, made at the first call) keeps its tensors from call to call: a compiled decode step (on CUDA
+    `generate` compiles it, with CUDA graphs) is replayed, not compiled and recorded again for every call's new
+    tensors, and the host tier is not allocated again. It grows when a call needs more room and is allocated afresh
+    for a batch of another size. Its memory stays with the pipeline between calls, as a `StaticCache`'s would;
+    `pipe.cache.release()` frees it, and the next call makes a new one. After a call, `last_stats` and
+    `last_memory_report` hold that call's `FlexiCache.stats()` and `memory_report()`.
     """
 
     def __init__(self, *args, cache_config: FlexiCacheConfig | None = None, profile: HeadProfile | str | None = None,
@@ -50,6 +54,7 @@ class FlexiCacheTextGenerationPipeline(TextGenerationPipeline):
                 f"The pipeline's model uses attn_implementation={impl!r}; FlexiCache needs 'flexicache'. Call "
                 "`fc_hf.register()` and load it with attn_implementation='flexicache' (flexicache_pipeline does this)."
             )
+        self.cache: FlexiCache | None = None
         self.last_stats: dict | None = None
         self.last_memory_report: dict | None = None
 
@@ -57,14 +62,23 @@ class FlexiCacheTextGenerationPipeline(TextGenerationPipeline):
         given = [k for k in ("cache", "past_key_values") if generate_kwargs.get(k) is not None]
         if given:
             raise ValueError(
-                f"{type(self).__name__} builds a fresh FlexiCache for every call; do not pass {given[0]}=. Set "
-                "cache_config/profile on the pipeline instead."
+                f"{type(self).__name__} generates with a FlexiCache of its own, emptied for every call; do not pass "
+                f"{given[0]}=. Set cache_config/profile on the pipeline instead."
             )
-        cache = FlexiCache(self.model.config, self.cache_config, self.profile)
+        cache = self._empty_cache()
         generate_kwargs[cache_kwarg(self.model)] = cache
         out = super()._forward(model_inputs, **generate_kwargs)
         self.last_stats, self.last_memory_report = cache.stats(), cache.memory_report()
         return out
+
+    def _empty_cache(self) -> FlexiCache:
+        """The pipeline's cache, emptied for a call; a new one at the first call, after `release()`, and with
+        profile="auto" (its classification is the call's own)."""
+        if self.cache is None or not self.cache.layers or self.profile == "auto":
+            self.cache = FlexiCache(self.model.config, self.cache_config, self.profile)
+        else:
+            self.cache.reset()
+        return self.cache
 
 
 def register_pipeline() -> str:
@@ -89,7 +103,7 @@ def flexicache_pipeline(
     model_kwargs: dict | None = None,
     **pipeline_kwargs,
 ) -> FlexiCacheTextGenerationPipeline:
-    """A `text-generation` pipeline whose every call generates with a fresh `FlexiCache`.
+    """A `text-generation` pipeline whose every call generates with its `FlexiCache`, emptied for the call.
 
     Args:
         model (`str | os.PathLike | PreTrainedModel`): a model folder or hub name (loaded with

@@ -1,4 +1,4 @@
-"""`flexicache_pipeline`: a stock text-generation pipeline with a fresh FlexiCache per call."""
+"""`flexicache_pipeline`: a stock text-generation pipeline with a FlexiCache of its own, emptied for every call."""
 
 import re
 from pathlib import Path
@@ -41,7 +41,7 @@ def test_two_consecutive_calls_match_dense(model_dir):
     assert isinstance(pipe, FlexiCacheTextGenerationPipeline)
     assert pipe.model.config._attn_implementation == "flexicache"
     dense = _dense_pipe()
-    for prompt in PROMPTS:  # a reused cache would raise on the second call
+    for prompt in PROMPTS:  # a cache handed over filled would raise on the second call
         got = pipe(prompt, **GEN)
         assert _ids(got) == _ids(dense(prompt, **GEN))
         assert pipe.last_stats["decode_steps"] == GEN["max_new_tokens"] - 1
@@ -85,7 +85,7 @@ def test_registered_task():
 def test_bad_pipeline_input():
     model = tiny_model("llama")
     pipe = flexicache_pipeline(model, tokenizer=tiny_tokenizer(), cache_config=FULL)
-    with pytest.raises(ValueError, match="fresh FlexiCache for every call"):
+    with pytest.raises(ValueError, match="FlexiCache of its own, emptied for every call"):
         pipe(PROMPTS[0], past_key_values=object(), max_new_tokens=2)
     wrong = HeadProfile(num_layers=5, num_kv_heads=2, unstable=set(), head_dim=16)
     with pytest.raises(ProfileError, match="layers, kv_heads, head_dim"):
