@@ -20,5 +20,6 @@
 | `agreement.py` | per-question agreement with dense's answers and retention, with paired bootstrap intervals |
 
 The speed and memory benchmarks are the subpackage `bench/` (`flexicache bench`); the harness never
-imports it. A generation one-liner with a fresh cache per call is the core's `fc_hf.flexicache_pipeline`.
+imports it. A generation one-liner with its own cache, emptied for every call, is the core's
+`fc_hf.flexicache_pipeline`.
 """

@@ -107,3 +107,25 @@ def test_documented_example_runs(model_dir):
     scope = {}
     exec(compile(example, str(DOC), "exec"), scope)
     assert scope["pipe"].last_stats["decode_steps"] > 0
+
+
+def test_the_pipeline_keeps_its_cache_and_empties_it_for_every_call(model_dir):
+    """One cache for every call, reset rather than rebuilt: the same tensors (a compiled step is replayed, not compiled
+    again) while a call fits, the call's own stats and peak, dense's tokens; a new one after `release()`."""
+    pipe = flexicache_pipeline(str(model_dir), cache_config=FULL)
+    dense = _dense_pipe()
+    assert _ids(pipe(PROMPTS[0], **GEN)) == _ids(dense(PROMPTS[0], **GEN))
+    cache, keys = pipe.cache, pipe.cache.layers[0].store.full_k
+    first_peak = pipe.last_memory_report["peak_device_kv_bytes"]
+    assert _ids(pipe(PROMPTS[1], **GEN)) == _ids(dense(PROMPTS[1], **GEN))  # shorter: it fits
+    assert pipe.cache is cache and pipe.cache.layers[0].store.full_k is keys
+    assert pipe.last_stats["decode_steps"] == GEN["max_new_tokens"] - 1
+    assert pipe.last_memory_report["peak_device_kv_bytes"] == first_peak  # the same tensors, nothing more
+    cache.release()
+    assert _ids(pipe(PROMPTS[1], **GEN)) == _ids(dense(PROMPTS[1], **GEN))
+    assert pipe.cache is not cache
+    auto = flexicache_pipeline(str(model_dir), cache_config=LOW, profile="auto")
+    auto(PROMPTS[0], max_new_tokens=4, do_sample=False)
+    held = auto.cache
+    auto(PROMPTS[0], max_new_tokens=4, do_sample=False)
+    assert auto.cache is not held  # "auto" classifies in every call, on a cache of its own
