@@ -314,7 +314,9 @@ class FlexiCacheLayer(VerifiedDecoding, CacheLayerMixin):
         past = self.length
         if past:
             self.turn_steps.append(past - self.prompt_end)
-        self.room.ensure(past + t)
+        # Also room for the decode steps of generate's call, which may be compiled and cannot grow the cache (a reset
+        # cache, or a new turn, whose prompt fits but whose new tokens would not).
+        self.room.ensure(past + t, generate_max_length(loop=False) or 0)
         self.store.write_prompt(key_states, value_states)  # the store's count is now past + t
         self.prompt_end = past + t
         self.prompt_end_t.fill_(past + t)
@@ -366,11 +368,8 @@ class FlexiCacheLayer(VerifiedDecoding, CacheLayerMixin):
         if self.store is None:
             return query_length, 0
         if not torch.compiler.is_compiling() and (query_length > 1 or not self.store.traced):
-            # Room first (an eager step may grow the cache; reading a traced cache's count is a sync: prompts only),
-            # for generate's prompt also room for the call's decode steps, which may be compiled (a reset cache or a
-            # new turn whose prompt fits but whose new tokens would not).
-            wanted = (generate_max_length(loop=False) or 0) if query_length > 1 else 0
-            self.room.ensure(self.length + query_length, wanted)
+            # Room first (an eager step may grow the cache; reading a traced cache's count is a sync: prompts only).
+            self.room.ensure(self.length + query_length)
         return self.store.capacity, 0
 
     def get_seq_length(self):

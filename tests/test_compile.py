@@ -141,12 +141,13 @@ def test_a_reset_cache_takes_a_batch_of_another_size(setup, compiled):
         assert (capacity, device_bytes) == (fresh.capacity, fresh.memory_report()["device_kv_bytes"])
 
 
-@pytest.mark.parametrize("later", ["reset", "turn"], ids=["a reset cache", "a new turn whose prompt fits"])
+@pytest.mark.parametrize("later", ["reset", "turn", "one-token turn"],
+                         ids=["a reset cache", "a new turn whose prompt fits", "a turn of one token"])
 def test_a_later_call_that_generates_more_gets_room_for_its_compiled_steps(setup, later):
     """The capacity fits the first call (a 300-token prompt and 16 new tokens: 320). A later call whose prompt fits but
-    whose new tokens do not (after `reset()`, 80 new tokens; a turn of 2 more tokens, 40 new) grows the cache at its
-    prompt to what its generate call will hold, since its compiled steps cannot grow it; it raised that the compiled
-    step had no room left. Tokens equal eager FlexiCache's."""
+    whose new tokens do not (after `reset()`, 80 new tokens; a turn of 2 or 1 more tokens, 40 new) grows the cache at
+    its prompt to what its generate call will hold, since its compiled steps cannot grow it; it raised that the
+    compiled step had no room left. Tokens equal eager FlexiCache's."""
     model, _, _, profile = setup
     ids, mask = left_padded_batch(2, 300, pad_lengths=[0, 21])
 
@@ -157,7 +158,7 @@ def test_a_later_call_that_generates_more_gets_room_for_its_compiled_steps(setup
         if later == "reset":
             cache.reset()
             return _generate(model, cache, ids, mask, max_new_tokens=80, **kw)
-        turn = torch.cat([first, ids[:, 100:102]], 1)
+        turn = torch.cat([first, ids[:, 100 : 101 if later == "one-token turn" else 102]], 1)
         turn_mask = torch.cat([mask, torch.ones(2, turn.shape[1] - mask.shape[1], dtype=mask.dtype)], 1)
         return _generate(model, cache, turn, turn_mask, max_new_tokens=40, **kw)
 
