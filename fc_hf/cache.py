@@ -60,8 +60,9 @@ class FlexiCache(Cache):
             its tensors are allocated for this many at the first prompt, so a decode step never reallocates and
             `generate` can compile it. None (default): what `generate` will need (prompt + `max_new_tokens`), read
             from the call that fills the cache; outside `generate`, the prompt plus `DEFAULT_DECODE_ROOM` tokens. An
-            eager step grows the cache when full (new tensors); a compiled step cannot, and raises. A later prompt in
-            `generate` (a new turn, a reset cache) grows it first to what that call will hold.
+            eager step grows the cache when full (new tensors); a compiled step cannot, and raises. Sized by
+            `generate` (None), a later prompt in `generate` (a new turn, a reset cache) grows it first to what that
+            call will hold.
 
     Example:
         >>> from fc_hf import FlexiCache, FlexiCacheConfig, register

@@ -21,7 +21,6 @@ from .kernels import dispatch as kernels
 from .rows import HeadKinds
 from .schedule import phase_of, phase_range, ranked_rows, rows_per_step
 from .selection import PageSelector
-from .speculative import generate_max_length
 from .store import PageStore, mark_static, window_pages
 from .verify import VerifiedDecoding
 
@@ -314,9 +313,7 @@ class FlexiCacheLayer(VerifiedDecoding, CacheLayerMixin):
         past = self.length
         if past:
             self.turn_steps.append(past - self.prompt_end)
-        # Also room for the decode steps of generate's call, which may be compiled and cannot grow the cache (a reset
-        # cache, or a new turn, whose prompt fits but whose new tokens would not).
-        self.room.ensure(past + t, generate_max_length(loop=False) or 0)
+        self.room.ensure_prompt(past + t)
         self.store.write_prompt(key_states, value_states)  # the store's count is now past + t
         self.prompt_end = past + t
         self.prompt_end_t.fill_(past + t)
@@ -364,12 +361,16 @@ class FlexiCacheLayer(VerifiedDecoding, CacheLayerMixin):
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         """The whole capacity once the layer holds tokens (a decode step's mask keeps its shape from step to step); the
-        query alone on an empty layer (its prompt attends over itself)."""
+        query alone on an empty layer, allocated or not (its prompt attends over itself; a reset cache's room is made
+        where the prompt is taken, and a batch of another size reallocates there)."""
         if self.store is None:
             return query_length, 0
         if not torch.compiler.is_compiling() and (query_length > 1 or not self.store.traced):
             # Room first (an eager step may grow the cache; reading a traced cache's count is a sync: prompts only).
-            self.room.ensure(self.length + query_length)
+            held = self.length
+            if held == 0:
+                return query_length, 0
+            self.room.ensure(held + query_length)
         return self.store.capacity, 0
 
     def get_seq_length(self):

@@ -58,6 +58,13 @@ class Room:
         for layer in self.layers:
             layer.grow(self.capacity)
 
+    def ensure_prompt(self, tokens: int) -> None:
+        """Room for a prompt (`tokens` per sequence, held ones included) and, for a cache sized by `generate` (no
+        `max_cache_len`), for what that `generate` call will hold: its decode steps may be compiled, and a compiled
+        step cannot grow the cache (a reset cache, or a new turn, whose prompt fits but whose new tokens would not).
+        A given `max_cache_len` stays the room a compiled step has, as `StaticCache`'s does."""
+        self.ensure(tokens, 0 if self.max_cache_len else (generate_max_length(loop=False) or 0))
+
     def _bounded(self, wanted: int, needed: int, batch: int) -> int:
         """`wanted` tokens (page-rounded), or the most that fit `max_device_pages` over all layers if fewer, never
         fewer than `needed`: a capacity that does not fit is refused."""
