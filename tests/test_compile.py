@@ -27,10 +27,19 @@ from fc_hf.compat import cache_kwargs
 CFG = FlexiCacheConfig(page_size=16, token_budget=64, rerank_interval=4)
 
 
-def _compile_config() -> CompileConfig:
-    config = CompileConfig(fullgraph=True, dynamic=False, backend="aot_eager")
+def _compile_config(dynamic: bool | None = False) -> CompileConfig:
+    """The issue's check; `dynamic=None` is generate's own default."""
+    config = CompileConfig(fullgraph=True, dynamic=dynamic, backend="aot_eager")
     config._compile_all_devices = True  # generate compiles on a CPU too
     return config
+
+
+def _skip_unless_built(backend: str) -> None:
+    """Skip a case on the C++ kernels where they did not build."""
+    from fc_hf.kernels import native_ops
+
+    if backend == "native" and not native_ops.available():
+        pytest.skip(f"the C++ kernels did not build: {native_ops.build_error()}")
 
 
 def _generate(model, cache, ids, mask, max_new_tokens=64, **kw):
@@ -63,11 +72,9 @@ def setup():
 def test_generate_compiles_the_decode_step_in_two_graphs_with_eager_tokens(setup, split, backend, monkeypatch):
     """Also on the C++ kernels (`backend="native"`, the GPU step's ops: each op one node), whose eager tokens are the
     PyTorch backend's."""
-    from fc_hf.kernels import native_ops
     from fc_hf.store import PageStore
 
-    if backend == "native" and not native_ops.available():
-        pytest.skip(f"the C++ kernels did not build: {native_ops.build_error()}")
+    _skip_unless_built(backend)
     monkeypatch.setattr(PageStore, "split_on_cpu", split)
     model, ids, mask, profile = setup
     cfg = dataclasses.replace(CFG, backend=backend)
@@ -174,15 +181,11 @@ def test_generates_default_dynamic_compiles_a_grown_cache_once_without_graph_bre
     graph takes every later capacity (at most 4 graphs for the three calls: the C++ `move_windows` once took the
     page count as an `int`, which specialised it, 6 graphs) and has no graph break (the room check's message once held
     the capacity and broke the graph there); the tokens are eager FlexiCache's."""
-    from fc_hf.kernels import native_ops
-
-    if backend == "native" and not native_ops.available():
-        pytest.skip(f"the C++ kernels did not build: {native_ops.build_error()}")
+    _skip_unless_built(backend)
     model, _, _, profile = setup
     cfg = dataclasses.replace(CFG, backend=backend)
     ids, mask = left_padded_batch(2, 300, pad_lengths=[0, 21])
-    config = CompileConfig(fullgraph=True, backend="aot_eager")  # generate's default but for the backend
-    config._compile_all_devices = True
+    config = _compile_config(dynamic=None)  # generate's default but for the backend
 
     def calls(**kw):
         cache, outs = FlexiCache(model.config, cfg, profile), []
@@ -231,10 +234,7 @@ def test_a_new_turn_after_compiled_steps_continues_where_they_ended(setup, room)
 def test_a_compiled_step_with_no_room_left_raises_saying_what_to_do(setup, backend):
     """A compiled step cannot grow the cache: where `max_cache_len` is shorter than the generation, the first step
     past it raises naming the fix (a device-side assert, no host sync), before that step writes anything."""
-    from fc_hf.kernels import native_ops
-
-    if backend == "native" and not native_ops.available():
-        pytest.skip(f"the C++ kernels did not build: {native_ops.build_error()}")
+    _skip_unless_built(backend)
     model, ids, mask, profile = setup
     cache = FlexiCache(model.config, dataclasses.replace(CFG, backend=backend), profile, max_cache_len=352)
     torch._dynamo.reset()
