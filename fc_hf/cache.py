@@ -210,7 +210,7 @@ class FlexiCache(Cache):
         batch, with a capacity chosen for it (`max_device_pages` depends on the batch)."""
         for layer in self.flexi_layers:
             layer.free()
-        self.room.capacity = 0
+        self.room.choose_again()
         self.forward.release()
 
     def _check_attention_function(self) -> None:

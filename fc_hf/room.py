@@ -43,6 +43,11 @@ class Room:
             self.capacity = self._bounded(max(wanted, tokens, floor), max(tokens, floor), batch)
         return self.capacity
 
+    def choose_again(self) -> None:
+        """The next prompt chooses the capacity anew (`capacity_for`): every layer dropped its tensors (an empty cache
+        taking a batch of another size)."""
+        self.capacity = 0
+
     def ensure(self, tokens: int, wanted: int = 0) -> None:
         """Room for `tokens` per sequence in every layer, grown (new tensors, outside a decode step) when short: to
         what `generate` will need if that holds them, else by half again, within `max_device_pages` (refused, before
