@@ -230,6 +230,36 @@ def test_a_new_turn_after_compiled_steps_continues_where_they_ended(setup, room)
     assert torch.equal(out, eager)
 
 
+@pytest.mark.parametrize("limit", [1, 3], ids=["only the first step compiled", "a batch size past the limit"])
+def test_steps_dynamo_gives_up_on_run_eager_from_the_compiled_steps_state(setup, limit):
+    """Past Dynamo's recompile limit (8 by default; here 1 or 3, so it is reached at once) a call's further steps run
+    the eager step without a graph, after steps that were compiled, in the same generation. Such eager steps take the
+    compiled steps' state (tokens held, the step since the prompt) from the device, not from host counts that compiled
+    steps do not advance: the tokens and promotions are eager FlexiCache's. Three calls on one reset cache, of batch 2,
+    3 and 2 (generate's default `fullgraph=False`, which falls back rather than raising)."""
+    model, _, _, profile = setup
+    config = _compile_config()
+    config.fullgraph = False
+    prompts = [left_padded_batch(2, 330, pad_lengths=[0, 21]), left_padded_batch(3, 250, pad_lengths=[0, 21, 3]),
+               left_padded_batch(2, 200, pad_lengths=[0, 21])]
+
+    def run():
+        cache, seen = FlexiCache(model.config, CFG, profile), []
+        for ids, mask in prompts:
+            cache.reset()
+            seen.append((_generate(model, cache, ids, mask, max_new_tokens=48, compile_config=config),
+                         cache.stats()["pages_promoted"]))
+        return seen
+
+    with torch._dynamo.config.patch(recompile_limit=limit):
+        seen, graphs, _ = _graphs(run)
+    assert graphs == limit  # every call after the limit ran some steps eagerly
+    for (ids, mask), (out, promoted) in zip(prompts, seen):
+        fresh = FlexiCache(model.config, CFG, profile)
+        assert torch.equal(out, _generate(model, fresh, ids, mask, max_new_tokens=48))
+        assert promoted == fresh.stats()["pages_promoted"]
+
+
 @pytest.mark.parametrize("backend", ["torch", "native"], ids=["PyTorch backend", "C++ kernels"])
 def test_a_compiled_step_with_no_room_left_raises_saying_what_to_do(setup, backend):
     """A compiled step cannot grow the cache: where `max_cache_len` is shorter than the generation, the first step
