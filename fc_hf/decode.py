@@ -36,28 +36,29 @@ class DecodeContext:
     ready: bool = field(default=False)
     _shared: dict = field(default_factory=dict)  # per-step values computed once for the layers that share them
 
+    def _once(self, key: tuple, make):
+        """`make()`, computed once per step for the layers that share `key` when eager. Computed per layer when traced:
+        a key holding a number Dynamo made symbolic (a batch-dependent row count once the batch size changed, under
+        generate's default `dynamic=None`) would specialise it again, and the compiler fuses the repeats anyway."""
+        if torch.compiler.is_compiling():
+            return make()
+        if key not in self._shared:
+            self._shared[key] = make()
+        return self._shared[key]
+
     def due(self, n_stable: int, interval: int, places: torch.Tensor) -> torch.Tensor:
         """`schedule.due_rows` at this step, computed once for the layers that share a count of stable rows."""
-        key = (n_stable, interval, places.numel())
-        if key not in self._shared:
-            self._shared[key] = due_rows(self.step, n_stable, interval, places)
-        return self._shared[key]
+        return self._once((n_stable, interval, places.numel()), lambda: due_rows(self.step, n_stable, interval, places))
 
     def subpage(self, length: int) -> torch.Tensor:
         """`[1]`: the sub-page of `length` tokens the new token falls in, computed once for the layers that share it."""
-        key = ("subpage", length)
-        if key not in self._shared:
-            self._shared[key] = (self.position // length).view(1)
-        return self._shared[key]
+        return self._once(("subpage", length), lambda: (self.position // length).view(1))
 
     def token_slots(self, row_starts: torch.Tensor) -> torch.Tensor:
         """`[N]`: where the new token goes in each row's full tier (`row_starts + position`), computed once for the
         layers that share a row count (every layer of a cache: they share one capacity, so one `row_starts`). Not keyed
         by the capacity: under generate's default `dynamic=None` it may be symbolic, and a key would specialise it."""
-        key = ("slots", row_starts.shape[0])
-        if key not in self._shared:
-            self._shared[key] = row_starts + self.position
-        return self._shared[key]
+        return self._once(("slots", row_starts.shape[0]), lambda: row_starts + self.position)
 
     def masks(self, attention_mask) -> StepBias:
         if not self.ready:

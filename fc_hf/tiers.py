@@ -79,9 +79,10 @@ def move_windows(store, local: torch.Tensor, rows: torch.Tensor, pages: torch.Te
     backend = store.cfg.backend
     for tier, win in ((store.full_k, store.win_k), (store.full_v, store.win_v)):
         pages_of = tier.view(-1, p, tier.shape[-1])
-        if span is not None and store.device.type == "cpu":
+        if span is not None and store.device.type == "cpu" and not torch.compiler.is_compiling():
             # Straight into each window (a window's first K pages are contiguous): one pass over the bytes, not a
-            # gather then a scatter (3-4x faster on a CPU); a launch per row, so not on an accelerator.
+            # gather then a scatter (3-4x faster on a CPU); a launch per row, so not on an accelerator, and not traced
+            # (the loop would fix the count of stable rows, which depends on the batch size, in the graph).
             for i, j in enumerate(range(*span)):
                 torch.index_select(pages_of, 0, at[i * k : (i + 1) * k], out=win[j, : k * p].view(k, p, -1))
         else:

@@ -201,6 +201,32 @@ def test_generates_default_dynamic_compiles_a_grown_cache_once_without_graph_bre
     assert all(torch.equal(a, b) for a, b in zip(outs, eager))
 
 
+@pytest.mark.parametrize("backend", ["torch", "native"], ids=["PyTorch backend", "C++ kernels"])
+def test_generates_default_dynamic_compiles_batches_of_several_sizes_once(setup, backend):
+    """Under `dynamic=None` a second batch size recompiles the step with the batch symbolic (as `StaticCache`'s), and
+    that pair of graphs serves later sizes: batches of 2, 3, 5 and 4 on one reset cache compile at most 5 graphs (the
+    fifth where the padded places of stable rows per step, 1 for 2 or 3 batches, became 2), with no graph break and
+    eager FlexiCache's tokens. Before, the step's memo keys held the row count and the PyTorch path's first step
+    looped over the stable rows, each fixing the batch again: 2 graphs per new size, so Dynamo's recompile limit (8)
+    was reached at the fourth size and later sizes ran eager."""
+    _skip_unless_built(backend)
+    model, _, _, profile = setup
+    cfg = dataclasses.replace(CFG, backend=backend)
+    prompts = [left_padded_batch(b, 250, pad_lengths=[0, 21, 3, 7, 7][:b]) for b in (2, 3, 5, 4)]
+
+    def calls(**kw):
+        cache, outs = FlexiCache(model.config, cfg, profile), []
+        for ids, mask in prompts:
+            cache.reset()
+            outs.append(_generate(model, cache, ids, mask, max_new_tokens=24, **kw))
+        return outs
+
+    eager = calls()
+    outs, graphs, breaks = _graphs(lambda: calls(compile_config=_compile_config(dynamic=None)))
+    assert breaks == {} and graphs <= 5
+    assert all(torch.equal(a, b) for a, b in zip(outs, eager))
+
+
 @pytest.mark.parametrize("room", [500, None], ids=["room for both turns", "the turn grows the cache"])
 def test_a_new_turn_after_compiled_steps_continues_where_they_ended(setup, room):
     """Compiled steps advance only the device's count of tokens; the next turn (a prompt on the filled cache) is
