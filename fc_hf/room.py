@@ -58,7 +58,8 @@ class Room:
         if torch.compiler.is_compiling():
             raise FlexiCacheError(f"{FULL_WHEN_COMPILED} cache.capacity is {self.capacity}.")
         batch = next((layer.batch for layer in self.layers if layer.is_initialized), 1)
-        grown = max(tokens, wanted, generate_max_length() or 0, self.capacity + self.capacity // 2)
+        # A prompt's `wanted` is already generate's max_length (read at its prompt stage): no second walk of the stack.
+        grown = max(tokens, wanted or generate_max_length() or 0, self.capacity + self.capacity // 2)
         self.capacity = max(self.capacity, self._bounded(grown, tokens, batch))
         for layer in self.layers:
             layer.grow(self.capacity)
