@@ -227,6 +227,47 @@ def test_generates_default_dynamic_compiles_batches_of_several_sizes_once(setup,
     assert all(torch.equal(a, b) for a, b in zip(outs, eager))
 
 
+def test_every_graph_of_the_step_has_no_node_cuda_graphs_refuse(setup):
+    """What a CPU can check of CUDA graphs (reduce-overhead, generate's default on a GPU): inductor's own test of a
+    graph before it records one (`get_first_incompatible_cudagraph_node`: a host read, an `_assert_scalar`, a boolean
+    index, an unbacked size, an op tagged unsafe) finds nothing in any graph of the decode step, static or with the
+    batch symbolic (generate's `dynamic=None`, a second batch size). Mutated inputs are the other
+    refusal; `test_every_tensor_a_decode_step_writes_is_a_static_address` covers them. What only a GPU shows (whether
+    mapped host memory and the device-side assert record) stays unmeasured. On the PyTorch backend, the step with the
+    most aten ops (the fused ops' fake implementations are one node each). With fullgraph=True most of these already
+    fail to trace; a planted op tagged `cudagraph_unsafe` traces, and fails here (checked by hand, then removed)."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    inductor_utils = pytest.importorskip("torch._inductor.utils")
+    first_incompatible = getattr(inductor_utils, "get_first_incompatible_cudagraph_node", None)
+    if first_incompatible is None:
+        pytest.skip("this torch has no get_first_incompatible_cudagraph_node")
+    model, _, _, profile = setup
+    cfg = dataclasses.replace(CFG, backend="torch")
+    refused, graphs = [], []
+
+    def check(gm, example_inputs):
+        graphs.append(gm)
+        node = first_incompatible(gm)
+        if node is not None:
+            refused.append(f"{node.format_node()}\n{node.meta.get('stack_trace', '')}")
+        return gm.forward
+
+    config = CompileConfig(fullgraph=True, dynamic=None, backend=aot_autograd(fw_compiler=check))
+    config._compile_all_devices = True
+    cache = FlexiCache(model.config, cfg, profile)
+
+    def calls():  # the first batch size compiles static graphs, the second symbolic ones
+        for batch in (2, 3):
+            cache.reset()
+            ids, mask = left_padded_batch(batch, 250, pad_lengths=[0, 21, 3][:batch])
+            _generate(model, cache, ids, mask, max_new_tokens=20, compile_config=config)
+
+    _graphs(calls)
+    assert len(graphs) == 4
+    assert refused == []
+
+
 @pytest.mark.parametrize("room", [500, None], ids=["room for both turns", "the turn grows the cache"])
 def test_a_new_turn_after_compiled_steps_continues_where_they_ended(setup, room):
     """Compiled steps advance only the device's count of tokens; the next turn (a prompt on the filled cache) is
