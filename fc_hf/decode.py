@@ -56,8 +56,7 @@ class DecodeContext:
 
     def token_slots(self, row_starts: torch.Tensor) -> torch.Tensor:
         """`[N]`: where the new token goes in each row's full tier (`row_starts + position`), computed once for the
-        layers that share a row count (every layer of a cache: they share one capacity, so one `row_starts`). Not keyed
-        by the capacity: under generate's default `dynamic=None` it may be symbolic, and a key would specialise it."""
+        layers that share a row count (every layer of a cache: they share one capacity, so one `row_starts`)."""
         return self._once(("slots", row_starts.shape[0]), lambda: row_starts + self.position)
 
     def masks(self, attention_mask) -> StepBias:

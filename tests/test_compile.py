@@ -27,9 +27,9 @@ from fc_hf.compat import cache_kwargs
 CFG = FlexiCacheConfig(page_size=16, token_budget=64, rerank_interval=4)
 
 
-def _compile_config(dynamic: bool | None = False) -> CompileConfig:
-    """The issue's check; `dynamic=None` is generate's own default."""
-    config = CompileConfig(fullgraph=True, dynamic=dynamic, backend="aot_eager")
+def _compile_config(dynamic: bool | None = False, fullgraph: bool = True, backend="aot_eager") -> CompileConfig:
+    """The issue's check; `dynamic=None` and `fullgraph=False` are generate's own defaults."""
+    config = CompileConfig(fullgraph=fullgraph, dynamic=dynamic, backend=backend)
     config._compile_all_devices = True  # generate compiles on a CPU too
     return config
 
@@ -46,6 +46,17 @@ def _generate(model, cache, ids, mask, max_new_tokens=64, **kw):
     with torch.no_grad():
         return model.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
                               **cache_kwargs(model, cache), **kw)
+
+
+def _reset_per_call(model, cfg, profile, prompts, max_new_tokens, **kw) -> list[tuple[torch.Tensor, int]]:
+    """One cache, `reset()` before each of `prompts` (`(ids, mask)` pairs): each call's tokens and the pages promoted
+    so far (the count restarts at `reset()`)."""
+    cache, seen = FlexiCache(model.config, cfg, profile), []
+    for ids, mask in prompts:
+        cache.reset()
+        seen.append((_generate(model, cache, ids, mask, max_new_tokens=max_new_tokens, **kw),
+                     cache.stats()["pages_promoted"]))
+    return seen
 
 
 def _graphs(run) -> tuple[torch.Tensor, int, dict]:
@@ -214,17 +225,11 @@ def test_generates_default_dynamic_compiles_batches_of_several_sizes_once(setup,
     cfg = dataclasses.replace(CFG, backend=backend)
     prompts = [left_padded_batch(b, 250, pad_lengths=[0, 21, 3, 7, 7][:b]) for b in (2, 3, 5, 4)]
 
-    def calls(**kw):
-        cache, outs = FlexiCache(model.config, cfg, profile), []
-        for ids, mask in prompts:
-            cache.reset()
-            outs.append(_generate(model, cache, ids, mask, max_new_tokens=24, **kw))
-        return outs
-
-    eager = calls()
-    outs, graphs, breaks = _graphs(lambda: calls(compile_config=_compile_config(dynamic=None)))
+    eager = _reset_per_call(model, cfg, profile, prompts, 24)
+    outs, graphs, breaks = _graphs(lambda: _reset_per_call(model, cfg, profile, prompts, 24,
+                                                           compile_config=_compile_config(dynamic=None)))
     assert breaks == {} and graphs <= 5
-    assert all(torch.equal(a, b) for a, b in zip(outs, eager))
+    assert all(torch.equal(a, b) for (a, _), (b, _) in zip(outs, eager))
 
 
 def test_every_graph_of_the_step_has_no_node_cuda_graphs_refuse(setup):
@@ -253,17 +258,10 @@ def test_every_graph_of_the_step_has_no_node_cuda_graphs_refuse(setup):
             refused.append(f"{node.format_node()}\n{node.meta.get('stack_trace', '')}")
         return gm.forward
 
-    config = CompileConfig(fullgraph=True, dynamic=None, backend=aot_autograd(fw_compiler=check))
-    config._compile_all_devices = True
-    cache = FlexiCache(model.config, cfg, profile)
-
-    def calls():  # the first batch size compiles static graphs, the second symbolic ones
-        for batch in (2, 3):
-            cache.reset()
-            ids, mask = left_padded_batch(batch, 250, pad_lengths=[0, 21, 3][:batch])
-            _generate(model, cache, ids, mask, max_new_tokens=20, compile_config=config)
-
-    _graphs(calls)
+    config = _compile_config(dynamic=None, backend=aot_autograd(fw_compiler=check))
+    # The first batch size compiles static graphs, the second symbolic ones.
+    prompts = [left_padded_batch(b, 250, pad_lengths=[0, 21, 3][:b]) for b in (2, 3)]
+    _graphs(lambda: _reset_per_call(model, cfg, profile, prompts, 20, compile_config=config))
     assert len(graphs) == 4
     assert refused == []
 
@@ -305,21 +303,12 @@ def test_steps_dynamo_gives_up_on_run_eager_from_the_compiled_steps_state(setup,
     steps do not advance: the tokens and promotions are eager FlexiCache's. Three calls on one reset cache, of batch 2,
     3 and 2 (generate's default `fullgraph=False`, which falls back rather than raising)."""
     model, _, _, profile = setup
-    config = _compile_config()
-    config.fullgraph = False
+    config = _compile_config(fullgraph=False)
     prompts = [left_padded_batch(2, 330, pad_lengths=[0, 21]), left_padded_batch(3, 250, pad_lengths=[0, 21, 3]),
                left_padded_batch(2, 200, pad_lengths=[0, 21])]
 
-    def run():
-        cache, seen = FlexiCache(model.config, CFG, profile), []
-        for ids, mask in prompts:
-            cache.reset()
-            seen.append((_generate(model, cache, ids, mask, max_new_tokens=48, compile_config=config),
-                         cache.stats()["pages_promoted"]))
-        return seen
-
     with torch._dynamo.config.patch(recompile_limit=limit):
-        seen, graphs, _ = _graphs(run)
+        seen, graphs, _ = _graphs(lambda: _reset_per_call(model, CFG, profile, prompts, 48, compile_config=config))
     assert graphs == limit  # every call after the limit ran some steps eagerly
     for (ids, mask), (out, promoted) in zip(prompts, seen):
         fresh = FlexiCache(model.config, CFG, profile)
